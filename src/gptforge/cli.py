@@ -1,0 +1,91 @@
+"""`gptforge <verb>`: a thin layer over the Python API, one module per verb.
+
+Each verb lives in `gptforge/commands/<verb>.py` with `add_arguments(parser)` and
+`run(args) -> int`. Only the chosen verb's module is imported, so `--help` stays fast and a
+verb's heavy dependencies load only when it runs. User errors (`GPTForgeError`) print one line
+and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gptforge import __version__
+from gptforge.errors import GPTForgeError
+
+# verb -> (module, one-line help). Order is the order of the life cycle.
+VERBS: dict[str, tuple[str, str]] = {
+    "preprocess": ("gptforge.commands.preprocess", "tokenize raw text / jsonl into <prefix>_ids.npy + <prefix>_idx.npz"),
+    "tokenizer": ("gptforge.commands.tokenizer", "train or inspect a byte-level BPE tokenizer"),
+    "pretrain": ("gptforge.commands.pretrain", "pretrain or continue training a GPT model"),
+    "generate": ("gptforge.commands.generate", "generate text (sampling, greedy, beam search)"),
+    "eval": ("gptforge.commands.eval", "LAMBADA cloze accuracy, WikiText perplexity, lm-eval tasks"),
+    "ptq": ("gptforge.commands.ptq", "post-training INT8 quantization (calibrate scales, no training)"),
+    "qat": ("gptforge.commands.qat", "INT8 quantization-aware training"),
+    "quantize": ("gptforge.commands.quantize", "convert a QAT/PTQ model into a real INT8 model"),
+    "analyze": ("gptforge.commands.analyze", "per-layer quantization sensitivity analysis"),
+    "prune": ("gptforge.commands.prune", "structured pruning (heads, FFN neurons) + fine-tuning; 2:4 sparsity"),
+    "export": ("gptforge.commands.export", "export to an HF directory, ONNX (fp32/INT8) or torch.export"),
+    "infer": ("gptforge.commands.infer", "generate text with an exported ONNX model (onnxruntime)"),
+    "convert": ("gptforge.commands.convert", "convert checkpoints: HF GPT-2, PaddleFleetX .pdparams, distributed"),
+    "demo": ("gptforge.commands.demo", "the whole life cycle on the built-in corpus, with a report"),
+    "config": ("gptforge.commands.config", "show the resolved config or list every key"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors in one line (exit 2)."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gptforge",
+        description="gptforge: pretrain, generate, evaluate, compress and export GPT models.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `gptforge <verb> --help` for a verb's options. Docs: docs/<verb>.md",
+    )
+    parser.add_argument("--version", action="version", version=f"gptforge {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=_Parser)
+    for name, (module, help_text) in VERBS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == verb:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def _first_positional(argv: list[str]) -> str | None:
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = _first_positional(argv)
+    parser = build_parser(verb if verb in VERBS else None)
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(VERBS[args.verb][0])
+    try:
+        return int(module.run(args) or 0)
+    except GPTForgeError as e:
+        msg = " ".join(str(e).split())
+        print(f"gptforge {args.verb}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gptforge {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gptforge ... | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, device choice, model loading."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from gptforge.errors import ConfigError, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from gptforge.config import Config
+
+
+def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: str | None = None) -> None:
+    """`-c FILE`, repeatable `-o Section.key=value`, and (optionally) `--ckpt DIR`."""
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML config (may use _base_ inheritance)")
+    p.add_argument("-o", "--override", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. -o Engine.max_steps=100 (repeatable)")
+    if ckpt:
+        p.add_argument("--ckpt", metavar="DIR", help=ckpt_help or (
+            "model directory: ours, an HF GPT-2 directory, or a PaddleFleetX model.pdparams; "
+            "its config and tokenizer are used, so -c is optional"))
+
+
+def config_from_args(args: argparse.Namespace, require: bool = False, world_size: int | None = None) -> Config:
+    """Resolved config from -c/-o/--ckpt; `require` demands -c or --ckpt."""
+    from gptforge.config import load_config
+
+    ckpt = getattr(args, "ckpt", None)
+    if require and not args.config and not ckpt:
+        raise UsageError("give a config with -c FILE (or a model with --ckpt DIR)")
+    return load_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
+
+
+def select_device(spec: str) -> torch.device:
+    """`Global.device`: auto | cpu | cuda | gpu | cuda:N."""
+    import torch
+
+    s = (spec or "auto").lower()
+    if s == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if s == "gpu":
+        s = "cuda"
+    if s.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"Global.device: {spec!r} requested but no CUDA device is available; use -o Global.device=cpu")
+        return torch.device(s)
+    if s == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"Global.device: {spec!r} is not one of auto, cpu, cuda, gpu, cuda:N")
+
+
+def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:
+    path = getattr(args, "ckpt", None)
+    if not path:
+        raise UsageError(f"give a model with {flag} DIR")
+    return path
+
+
+def load_model_and_tokenizer(args: argparse.Namespace, cfg: Config, device=None):
+    """(model in eval mode, config with the checkpoint's shape, tokenizer) for `--ckpt`."""
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model_io import load_model, resolve_checkpoint_path
+
+    path = resolve_checkpoint_path(require_ckpt(args))
+    model, cfg = load_model(path, cfg, device=device)
+    tok = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
+    return model, cfg, tok
+
+
+def ensure_out_dir(path: str | os.PathLike, force: bool) -> None:
+    """Refuse to overwrite an existing non-empty output directory unless --force."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not force:
+        raise UsageError(f"{path}: already exists; choose another --out or pass --force")

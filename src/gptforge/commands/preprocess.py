@@ -1,0 +1,16 @@
+"""`gptforge preprocess`: Tokenize raw text / jsonl into the reference's token files."""
+
+from __future__ import annotations
+
+import argparse
+
+from gptforge.commands.common import add_config_args
+from gptforge.errors import UsageError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, ckpt=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    raise UsageError("`gptforge preprocess` is not implemented yet")

@@ -1,0 +1,496 @@
+"""Load, merge, override, validate and derive a `Config`.
+
+Pipeline: YAML file (with `_base_` inheritance, each document normalised by `aliases`) →
+optional checkpoint config underneath → `-o Section.key=value` overrides → typed dataclasses
+(unknown keys and wrong types raise `ConfigError` naming the key path and the closest valid
+key) → `resolve` derives what the reference derives (batch sizes, accumulation, ffn width,
+padded vocab, recompute defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from gptforge.config.aliases import normalize_path, normalize_raw
+from gptforge.config.schema import Config, ModelConfig
+from gptforge.errors import ConfigError
+
+# Model keys that describe the *shape* of the weights: a checkpoint's values win over a -c file.
+ARCH_KEYS = (
+    "vocab_size",
+    "vocab_size_divisible_unit",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "head_dim",
+    "ffn_hidden_size",
+    "layer_num_heads",
+    "layer_ffn_sizes",
+    "max_position_embeddings",
+    "layer_norm_epsilon",
+)
+
+
+# ----------------------------------------------------------------------------- raw YAML
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read one YAML mapping; errors name the file (and line for syntax errors)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: config file not found")
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, expected a YAML file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}:{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """Recursive dict merge: values in `top` win; nested mappings merge key by key."""
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_raw(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML file with its `_base_` chain resolved (paths relative to the including file)."""
+    p = Path(path).resolve()
+    if p in _seen:
+        chain = " -> ".join(str(s) for s in (*_seen, p))
+        raise ConfigError(f"{p}: _base_ inheritance loops ({chain})")
+    data = read_yaml(p)
+    bases = data.pop("_base_", None)
+    merged: dict[str, Any] = {}
+    if bases:
+        for b in [bases] if isinstance(bases, str) else list(bases):
+            if not isinstance(b, str):
+                raise ConfigError(f"{p}: _base_ must be a file path or a list of paths, got {b!r}")
+            bp = Path(b) if os.path.isabs(b) else p.parent / b
+            if not bp.exists():
+                raise ConfigError(f"{p}: _base_ file not found: {b}")
+            merged = deep_merge(merged, load_raw(bp, (*_seen, p)))
+    return deep_merge(merged, normalize_raw(data))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`Section.key=value` → (canonical key path, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected Section.key=value")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: bad key path {key!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return normalize_path(key), parsed
+
+
+def apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
+    """Apply `-o` overrides to a raw dict (copying the sections it touches)."""
+    raw = dict(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = value
+    return raw
+
+
+# ------------------------------------------------------------------------ typed build
+
+
+def _suggest(name: str, options: typing.Iterable[str], prefix: str) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {prefix}{match[0]}?)" if match else ""
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    optional, inner = _is_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _Blank()
+    tp = inner
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                as_float = float(value)
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # '949,50,1' style
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            if item_tp in (int, str, float) and not isinstance(value, dict):
+                value = [value]
+            else:
+                raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+class _Blank(Exception):
+    """A blank value for a non-optional key: the default applies (reference semantics)."""
+
+
+def _build(cls: type, data: dict, path: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            sub = f"{path}." if path else ""
+            what = "section" if not path else "key"
+            raise ConfigError(f"{sub}{key}: unknown {what}{_suggest(str(key), names, sub)}")
+        try:
+            kwargs[key] = _coerce(value, hints[key], f"{path}.{key}" if path else key)
+        except _Blank:
+            continue
+    return cls(**kwargs)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Typed `Config` from a canonical raw dict (no derivation)."""
+    raw = dict(raw)
+    raw.pop("_base_", None)
+    return _build(Config, raw, "")
+
+
+# --------------------------------------------------------------------------- derive
+
+
+def apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
+    """Expand `Model.preset`: preset shape values fill keys the files did not set."""
+    model = raw.get("Model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return raw
+    from gptforge.model.presets import PRESETS
+
+    name = str(model["preset"])
+    if name not in PRESETS:
+        raise ConfigError(f"Model.preset: unknown preset {name!r}{_suggest(name, PRESETS, '')}; choose from {', '.join(PRESETS)}")
+    filled = {**PRESETS[name], **{k: v for k, v in model.items() if v is not None}}
+    return {**raw, "Model": filled}
+
+
+def world_size_from_env() -> int:
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
+    """Fill derived model fields in place and check the shape is buildable."""
+    for key in ("hidden_size", "num_layers", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"Model.{key}: must be > 0, got {getattr(m, key)}")
+    if m.head_dim is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(
+                f"Model.num_attention_heads: {m.num_attention_heads} does not divide Model.hidden_size "
+                f"{m.hidden_size}; change one, or set Model.head_dim"
+            )
+        m.head_dim = m.hidden_size // m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    unit = max(1, m.vocab_size_divisible_unit) * max(1, mp_degree)
+    if m.vocab_size % unit:
+        m.vocab_size = (m.vocab_size + unit - 1) // unit * unit
+    for key, default in (("layer_num_heads", m.num_attention_heads), ("layer_ffn_sizes", m.ffn_hidden_size)):
+        vals = getattr(m, key)
+        if vals is not None:
+            if len(vals) != m.num_layers:
+                raise ConfigError(f"Model.{key}: has {len(vals)} entries, expected Model.num_layers={m.num_layers}")
+            if any(v <= 0 for v in vals):
+                raise ConfigError(f"Model.{key}: every entry must be > 0, got {vals}")
+            if all(v == default for v in vals):
+                setattr(m, key, None)
+    if m.use_recompute and m.recompute_granularity is None:
+        m.recompute_granularity = "full"
+    if m.recompute_granularity is not None and m.recompute_granularity not in ("full", "full_attn", "core_attn"):
+        raise ConfigError(
+            f"Model.recompute_granularity: {m.recompute_granularity!r} is not one of full, full_attn, core_attn"
+            f"{_suggest(m.recompute_granularity, ('full', 'full_attn', 'core_attn'), '')}"
+        )
+    layers = sorted(set(m.no_recompute_layers or []))
+    bad = [i for i in layers if not 0 <= i < m.num_layers]
+    if bad:
+        raise ConfigError(f"Model.no_recompute_layers: {bad} outside [0, {m.num_layers})")
+    m.no_recompute_layers = layers
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        p = getattr(m, key)
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"Model.{key}: must be in [0, 1), got {p}")
+    if mp_degree <= 1:
+        m.sequence_parallel = False
+
+
+def resolve(cfg: Config, world_size: int | None = None) -> Config:
+    """Derive what the reference derives; raise ConfigError on inconsistent values."""
+    d = cfg.Distributed
+    for key in ("mp_degree", "pp_degree"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"Distributed.{key}: must be >= 1, got {getattr(d, key)}")
+    if d.sharding.sharding_degree < 1:
+        raise ConfigError(f"Distributed.sharding.sharding_degree: must be >= 1, got {d.sharding.sharding_degree}")
+    if d.sharding.sharding_stage not in (1, 2, 3):
+        raise ConfigError(f"Distributed.sharding.sharding_stage: must be 1, 2 or 3, got {d.sharding.sharding_stage}")
+    world = world_size if world_size is not None else world_size_from_env()
+    others = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+    if d.dp_degree is None:
+        d.dp_degree = max(1, world // others)
+    elif d.dp_degree < 1:
+        raise ConfigError(f"Distributed.dp_degree: must be >= 1, got {d.dp_degree}")
+    data_world = d.dp_degree * d.sharding.sharding_degree
+
+    g = cfg.Global
+    for key in ("global_batch_size", "local_batch_size", "micro_batch_size"):
+        v = getattr(g, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"Global.{key}: must be > 0, got {v}")
+    if g.global_batch_size is not None and g.local_batch_size is not None:
+        if g.global_batch_size != g.local_batch_size * data_world:
+            raise ConfigError(
+                f"Global.global_batch_size: {g.global_batch_size} != Global.local_batch_size "
+                f"{g.local_batch_size} x data-parallel world {data_world} (dp_degree x sharding_degree); "
+                "set only one of them"
+            )
+    elif g.global_batch_size is not None:
+        if g.global_batch_size % data_world:
+            raise ConfigError(
+                f"Global.global_batch_size: {g.global_batch_size} is not divisible by the data-parallel "
+                f"world {data_world} (dp_degree x sharding_degree)"
+            )
+        g.local_batch_size = g.global_batch_size // data_world
+    else:
+        if g.local_batch_size is None:
+            g.local_batch_size = g.micro_batch_size or 1
+        g.global_batch_size = g.local_batch_size * data_world
+    if g.micro_batch_size is None:
+        g.micro_batch_size = g.local_batch_size
+    if g.local_batch_size % g.micro_batch_size:
+        raise ConfigError(
+            f"Global.micro_batch_size: {g.micro_batch_size} does not divide Global.local_batch_size "
+            f"{g.local_batch_size}"
+        )
+
+    e = cfg.Engine
+    e.accumulate_steps = g.local_batch_size // g.micro_batch_size
+    if e.test_iters is None:
+        e.test_iters = 10 * e.eval_iters
+    if e.max_steps < 0:
+        raise ConfigError(f"Engine.max_steps: must be >= 0, got {e.max_steps}")
+    if e.logging_freq < 1:
+        raise ConfigError(f"Engine.logging_freq: must be >= 1, got {e.logging_freq}")
+    if e.save_load.save_steps is not None and e.save_load.save_steps <= 0:
+        e.save_load.save_steps = None
+    if e.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"Engine.on_nonfinite: must be stop or skip, got {e.on_nonfinite!r}")
+    mp = e.mix_precision
+    dtype_aliases = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+    if mp.dtype not in dtype_aliases:
+        raise ConfigError(f"Engine.mix_precision.dtype: must be float16 or bfloat16, got {mp.dtype!r}")
+    mp.dtype = dtype_aliases[mp.dtype]
+    mp.level = mp.level.upper()
+    if mp.level not in ("O1", "O2"):
+        raise ConfigError(f"Engine.mix_precision.level: must be O1 or O2, got {mp.level!r}")
+
+    lr = cfg.Optimizer.lr
+    if lr.decay_steps is None or lr.decay_steps <= 0:
+        lr.decay_steps = max(1, e.max_steps)
+    if lr.max_lr < 0 or lr.min_lr < 0:
+        raise ConfigError("Optimizer.lr.max_lr / min_lr: must be >= 0")
+    if not 0.0 <= lr.warmup_rate <= 1.0:
+        raise ConfigError(f"Optimizer.lr.warmup_rate: must be in [0, 1], got {lr.warmup_rate}")
+    if cfg.Optimizer.grad_clip.clip_norm < 0:
+        raise ConfigError(f"Optimizer.grad_clip.clip_norm: must be >= 0, got {cfg.Optimizer.grad_clip.clip_norm}")
+
+    resolve_model(cfg.Model, d.mp_degree)
+    m = cfg.Model
+    if d.mp_degree > 1 and m.num_attention_heads % d.mp_degree:
+        raise ConfigError(
+            f"Distributed.mp_degree: {d.mp_degree} does not divide Model.num_attention_heads {m.num_attention_heads}"
+        )
+
+    for split in ("Train", "Eval", "Test"):
+        ds = getattr(cfg.Data, split).dataset
+        if len(ds.split) != 3 or any(w < 0 for w in ds.split) or sum(ds.split) <= 0:
+            raise ConfigError(
+                f"Data.{split}.dataset.split: expected three non-negative weights like [949, 50, 1], got {ds.split}"
+            )
+        if ds.max_seq_len <= 0:
+            raise ConfigError(f"Data.{split}.dataset.max_seq_len: must be > 0, got {ds.max_seq_len}")
+    q = cfg.Compress.Quantization
+    for key in ("weight_bits", "activation_bits"):
+        if not 2 <= getattr(q, key) <= 16:
+            raise ConfigError(f"Compress.Quantization.{key}: must be in [2, 16], got {getattr(q, key)}")
+    p = cfg.Compress.Prune
+    if not 0.0 <= p.ratio < 1.0:
+        raise ConfigError(f"Compress.Prune.ratio: must be in [0, 1), got {p.ratio}")
+    p.head_ratio = p.ratio if p.head_ratio is None else p.head_ratio
+    p.ffn_ratio = p.ratio if p.ffn_ratio is None else p.ffn_ratio
+    return cfg
+
+
+def check_train_shapes(cfg: Config) -> None:
+    """Checks only a training run needs (other verbs never read Data)."""
+    m = cfg.Model
+    for split in ("Train", "Eval"):
+        seq = getattr(cfg.Data, split).dataset.max_seq_len
+        if seq > m.max_position_embeddings:
+            raise ConfigError(
+                f"Data.{split}.dataset.max_seq_len: {seq} exceeds Model.max_position_embeddings "
+                f"{m.max_position_embeddings}; lower it or use a model with more positions"
+            )
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def checkpoint_raw(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """The raw config dict a model directory carries (ours, HF GPT-2, or none)."""
+    from gptforge.model_io import read_checkpoint_config
+
+    return read_checkpoint_config(ckpt_dir)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: typing.Iterable[str] = (),
+    ckpt_dir: str | os.PathLike | None = None,
+    world_size: int | None = None,
+) -> Config:
+    """The resolved config: defaults ← checkpoint config ← file ← overrides.
+
+    With a checkpoint the model *shape* always comes from the checkpoint (a -c file written for
+    another size would otherwise fail to load); everything else in the file still applies.
+    """
+    raw: dict[str, Any] = {}
+    requires: list[str] = []
+    file_raw = load_raw(path) if path else {}
+    if ckpt_dir is not None:
+        raw = checkpoint_raw(ckpt_dir)
+        requires = raw.pop("__requires__", [])
+        ck_model = raw.get("Model") or {}
+        if isinstance(file_raw.get("Model"), dict):
+            file_model = {k: v for k, v in file_raw["Model"].items()
+                          if not (k in ck_model and k in ARCH_KEYS) and k != "preset"}
+            file_raw = {**file_raw, "Model": file_model}
+    raw = deep_merge(raw, file_raw)
+    raw = apply_overrides(raw, overrides)
+    for key in requires:
+        node: Any = raw
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            raise ConfigError(
+                f"{key}: the checkpoint {ckpt_dir} does not record it; pass -o {key}=N "
+                "(or -c the config the checkpoint was trained with)"
+            )
+    raw = apply_preset(raw)
+    cfg = build_config(raw)
+    return resolve(cfg, world_size=world_size)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(config_to_yaml(cfg), encoding="utf-8")

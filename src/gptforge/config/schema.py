@@ -1,0 +1,311 @@
+"""Typed config: one dataclass per section, named and shaped like the reference's YAML.
+
+These classes are the single source of truth for YAML files, `-o Section.key=value` overrides,
+`gptforge config show` and the docs (docs/config.md is generated from the field comments).
+A value left blank in YAML (`key:`) means "use the default / derive it", as in the reference.
+Keys the reference accepts but that have no effect in PyTorch are kept (so reference files
+load unchanged) and marked "accepted, no effect" in their comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GlobalConfig:
+    device: str = "auto"  # auto | cpu | cuda | gpu (= cuda) | cuda:N
+    seed: int = 1024
+    global_batch_size: int | None = None  # samples per optimizer step over all data ranks
+    local_batch_size: int | None = None  # samples per optimizer step on one data rank
+    micro_batch_size: int | None = None  # samples per forward/backward (local/micro = accumulation)
+
+
+@dataclass
+class ModelConfig:
+    module: str = "GPTModule"  # accepted, no effect (the verb chooses what runs)
+    name: str = "GPT"  # accepted; the tokenizer comes from Data.tokenizer or the checkpoint
+    preset: str | None = None  # 345M | 1.3B | 6.7B | 13B | 175B | 124M | tiny | mini | small (fills unset shape keys)
+    vocab_size: int = 50304  # padded up to a multiple of vocab_size_divisible_unit * mp_degree
+    vocab_size_divisible_unit: int = 128
+    hidden_size: int = 1024
+    num_layers: int = 24
+    num_attention_heads: int = 16
+    head_dim: int | None = None  # derived: hidden_size / num_attention_heads
+    ffn_hidden_size: int | None = None  # derived: 4 * hidden_size
+    layer_num_heads: list[int] | None = None  # per-layer head counts (non-uniform shapes), else uniform
+    layer_ffn_sizes: list[int] | None = None  # per-layer FFN widths (non-uniform shapes), else uniform
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 1024
+    type_vocab_size: int = 16  # accepted, no effect (GPT has no token types)
+    initializer_range: float = 0.02
+    scale_output_init: bool = True  # out_proj/linear2 init std = range/sqrt(2L) (reference HEAD); False = 0.02 everywhere
+    layer_norm_epsilon: float = 1e-5
+    use_recompute: bool = False
+    recompute_granularity: str | None = None  # full | full_attn | core_attn (derived: full when use_recompute)
+    no_recompute_layers: list[int] | None = None
+    fused_linear: bool = False  # accepted, no effect (PyTorch's addmm already fuses the bias)
+    fuse_attn_qkv: bool = True  # our model always fuses qkv; False only describes .pdparams layouts on import
+    scale_qk_by_layer_num: bool = True  # accepted, numerically a no-op in the reference
+    sequence_parallel: bool = False  # only with mp_degree > 1
+    use_flash_attn: bool = False  # accepted; scaled_dot_product_attention picks flash kernels on GPU anyway
+    fused_softmax_with_triangular: bool = True  # accepted, no effect
+    virtual_pp_degree: int = 1
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "GPTDataset"
+    input_dir: str = "./data/"  # a directory with <prefix>_ids.npy + <prefix>_idx.npz, a prefix, or "builtin"
+    split: list[int] = field(default_factory=lambda: [949, 50, 1])  # also '949,50,1'
+    max_seq_len: int = 1024
+
+
+@dataclass
+class SamplerConfig:
+    name: str = "GPTBatchSampler"
+    shuffle: bool = False  # accepted; order comes from the dataset's shuffle_idx
+    drop_last: bool = True
+
+
+@dataclass
+class LoaderConfig:
+    num_workers: int = 1
+    return_list: bool = False  # accepted, no effect
+    collate_fn: str = "gpt_collate_fn"  # accepted, no effect
+
+
+@dataclass
+class DataSplitConfig:
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+
+
+@dataclass
+class DataConfig:
+    Train: DataSplitConfig = field(default_factory=DataSplitConfig)
+    Eval: DataSplitConfig = field(default_factory=DataSplitConfig)
+    Test: DataSplitConfig = field(default_factory=DataSplitConfig)
+    tokenizer: str | None = None  # gpt2 | a dir with tokenizer.json or vocab.json+merges.txt | a tokenizer.json (default: the checkpoint's, else gpt2)
+
+
+@dataclass
+class LRConfig:
+    name: str = "CosineAnnealingWithWarmupDecay"  # | LinearDecayWithWarmup | Constant
+    decay_steps: int | None = 360000  # derived: max_steps; converted to samples (x global batch)
+    warmup_rate: float = 0.01  # fraction of decay_steps
+    warmup_steps: int | None = None  # overrides warmup_rate when set
+    max_lr: float = 5.0e-5
+    min_lr: float = 1.0e-5
+    use_increments: bool = True  # schedule measured in samples; False keeps lr at max_lr (the reference would keep 0)
+
+
+@dataclass
+class GradClipConfig:
+    name: str = "ClipGradByGlobalNorm"
+    clip_norm: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "FusedAdamW"  # FusedAdamW | AdamW
+    weight_decay: float = 0.01  # on 2-D weights incl. embeddings; never on biases or LayerNorm
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1.0e-8
+    lr: LRConfig = field(default_factory=LRConfig)
+    grad_clip: GradClipConfig = field(default_factory=GradClipConfig)
+    tensor_fusion: bool = False  # accepted; the fused/foreach AdamW kernels are used when available
+
+
+@dataclass
+class MixPrecisionConfig:
+    enable: bool = False  # old name: use_pure_fp16
+    dtype: str = "float16"  # float16 | bfloat16
+    level: str = "O2"  # O1 (autocast) | O2 (autocast + low-precision params where safe)
+    scale_loss: float = 32768.0  # initial dynamic loss scale (float16 only)
+    custom_black_list: list[str] = field(default_factory=list)  # accepted; loss and softmax always run in fp32
+    custom_white_list: list[str] = field(default_factory=list)  # accepted, no effect
+    use_main_grad: bool = False  # accepted; fp32 master weights are always kept
+
+
+@dataclass
+class SaveLoadConfig:
+    save_steps: int | None = 1000  # blank or -1: only at the end
+    save_epoch: int = 1
+    output_dir: str = "./output"
+    ckpt_dir: str | None = None  # resume from this training checkpoint
+    keep_last: int | None = None  # keep only the newest N step checkpoints
+
+
+@dataclass
+class EngineConfig:
+    run_mode: str = "step"
+    max_steps: int = 500000
+    num_train_epochs: int = 1
+    accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
+    logging_freq: int = 1
+    eval_freq: int = 500  # <= 0: never
+    eval_iters: int = 10
+    test_iters: int | None = None  # derived: 10 * eval_iters
+    mix_precision: MixPrecisionConfig = field(default_factory=MixPrecisionConfig)
+    save_load: SaveLoadConfig = field(default_factory=SaveLoadConfig)
+    compile: bool = False  # torch.compile the model (GPU; no gain on a small CPU)
+    on_nonfinite: str = "stop"  # stop | skip: what a non-finite fp32/bf16 loss does
+
+
+@dataclass
+class ShardingConfig:
+    sharding_degree: int = 1
+    sharding_stage: int = 1  # 1 optimizer state | 2 + grads | 3 + params
+    sharding_offload: bool = False
+    reduce_overlap: bool = False
+    broadcast_overlap: bool = False
+    comm_overlap: bool = False
+
+
+@dataclass
+class DistributedConfig:
+    dp_degree: int | None = None  # derived: world / (mp * pp * sharding)
+    mp_degree: int = 1
+    pp_degree: int = 1
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    pp_recompute_interval: int = 1
+    fuse_sequence_parallel_allreduce: bool = False
+    backend: str | None = None  # nccl | gloo (derived from the device)
+
+
+@dataclass
+class GenerationConfig:
+    decode_strategy: str = "sampling"  # sampling | greedy_search | beam_search
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    temperature: float = 1.0
+    min_dec_len: int = 0
+    max_dec_len: int = 20
+    num_return_sequences: int = 1
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    num_beam_groups: int = 1
+    length_penalty: float = 1.0  # beam score = sum logprob / len**length_penalty
+    diversity_rate: float = 0.0
+    early_stopping: bool = False
+    use_topp_sampling: bool = False  # accepted (a CUDA op in the reference); same distribution as top_p
+    inference: bool = False  # accepted, no effect
+    use_cache: bool = True
+    early_finish: bool = True  # stop when every sequence has emitted EOS
+    bos_token_id: int | None = None  # derived: tokenizer EOS
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class OfflineEvalConfig:
+    eval_path: str | None = None  # LAMBADA jsonl or WikiText text file, supplied by the user
+    cloze_eval: bool = False  # True: LAMBADA accuracy; False: perplexity
+    overlapping_eval: int | None = 32  # perplexity window stride (blank = max_seq_len)
+    batch_size: int = 8
+    max_seq_len: int = 1024
+    logging_freq: int = 10
+    output: str | None = None  # results JSON (derived: <ckpt or cwd>/eval_results.json)
+
+
+@dataclass
+class QuantizationConfig:
+    enable: bool = False
+    weight_quantize_type: str = "channel_wise_abs_max"  # abs_max | channel_wise_abs_max
+    activation_quantize_type: str = "moving_average_abs_max"  # moving_average_abs_max | abs_max
+    activation_preprocess_type: str | None = None  # PACT
+    weight_preprocess_type: str | None = None  # accepted; none supported besides None
+    weight_bits: int = 8
+    activation_bits: int = 8
+    quantizable_layer_type: list[str] = field(
+        default_factory=lambda: ["Linear", "ColumnParallelLinear", "RowParallelLinear"]
+    )
+    onnx_format: bool = True
+    freeze_embedding: bool = False
+    skip_tensor_map: dict[str, list[str]] = field(default_factory=dict)  # block_i: [qkv_proj|out_proj|linear1|linear2]
+    skip_layers: list[str] = field(default_factory=list)  # globs over our names, e.g. "blocks.3.linear2"
+    moving_rate: float = 0.9
+    pact_init: float = 100.0  # PACT clip alpha at start
+    pact_lr_mult: float = 1000.0  # PACT alpha learning-rate multiplier
+    dtype: str = "int8"  # accepted
+    window_size: int = 10000  # accepted, no effect
+    fuse_conv_bn: bool = False  # accepted, no effect
+    calib_batches: int = 8  # PTQ: batches used to calibrate activation scales
+
+
+@dataclass
+class PruneConfig:
+    enable: bool = False
+    criterion: str = "l1_norm"  # l1_norm | l2_norm | taylor | activation
+    ratio: float = 0.125  # fraction of heads and FFN neurons removed
+    head_ratio: float | None = None  # derived: ratio
+    ffn_ratio: float | None = None  # derived: ratio
+    scope: str = "uniform"  # uniform (same width in every layer) | global (per-layer widths)
+    cal_sens: bool = False  # accepted, no effect
+    semi_structured: str | None = None  # 2:4 sparsity: magnitude | wanda
+    calib_batches: int = 8  # batches for taylor / activation / wanda scores
+
+
+@dataclass
+class CompressConfig:
+    pretrained: str | None = None  # weights to start from (weights only, no optimizer state)
+    Quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    Prune: PruneConfig = field(default_factory=PruneConfig)
+
+
+@dataclass
+class TensorRTConfig:  # accepted so reference inference files load; TensorRT is not used
+    max_batch_size: int = 1
+    workspace_size: int = 1 << 30
+    min_subgraph_size: int = 3
+    precision: str = "fp32"
+    use_static: bool = False
+    use_calib_mode: bool = False
+    collect_shape: bool = False
+    shape_range_info_filename: str | None = None
+
+
+@dataclass
+class InferenceConfig:
+    model_dir: str = "./output"
+    mp_degree: int = 1
+    TensorRT: TensorRTConfig = field(default_factory=TensorRTConfig)
+
+
+@dataclass
+class ProfilerConfig:
+    enable: bool = False
+    scheduler: list[int] = field(default_factory=lambda: [1, 5])  # [start_step, end_step)
+    profiler_log: str = "profiler_log"
+    detailed: bool = False
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration. Attribute names are the YAML section names."""
+
+    Global: GlobalConfig = field(default_factory=GlobalConfig)
+    Model: ModelConfig = field(default_factory=ModelConfig)
+    Data: DataConfig = field(default_factory=DataConfig)
+    Optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    Engine: EngineConfig = field(default_factory=EngineConfig)
+    Distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    Generation: GenerationConfig = field(default_factory=GenerationConfig)
+    Offline_Eval: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)
+    Compress: CompressConfig = field(default_factory=CompressConfig)
+    Inference: InferenceConfig = field(default_factory=InferenceConfig)
+    Profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+SECTIONS = tuple(Config.__dataclass_fields__)

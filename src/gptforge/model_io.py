@@ -1,0 +1,385 @@
+"""Model directories in any supported format, read and written in one place.
+
+Formats:
+- ours: `config.yaml` (the resolved config) + `model.safetensors` + tokenizer files;
+  training checkpoints add optimizer/scheduler/RNG state files next to them.
+- hf: an HF `transformers` GPT-2 directory (`config.json` + safetensors or .bin weights).
+- paddle: a PaddleFleetX `model.pdparams` (a file, or a directory holding one).
+A directory of step checkpoints (`.../step_N`) resolves to its newest complete one.
+
+Structure a checkpoint records about itself (fake-quant modules of a QAT run, narrowed
+layers of an edited model) is rebuilt from the checkpoint's own config before its weights
+load, so a model always loads exactly as it was saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptforge.errors import CheckpointError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+OURS, HF, PADDLE = "gptforge", "hf", "paddle"
+
+
+def _notice(msg: str) -> None:
+    print(f"gptforge: {msg}", file=sys.stderr)
+
+
+def _is_ours(p: Path) -> bool:
+    return (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
+
+
+def _step_of(p: Path) -> int:
+    m = re.search(r"step_(\d+)$", p.name)
+    return int(m.group(1)) if m else -1
+
+
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """The model directory (or .pdparams file) that `path` names; step-checkpoint parents
+    resolve to their newest complete step."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: checkpoint not found")
+    if p.is_file():
+        if p.suffix == ".pdparams":
+            return p
+        if p.name in (CONFIG_FILE, WEIGHTS_FILE, "config.json"):
+            return resolve_checkpoint_path(p.parent)
+        raise CheckpointError(f"{p}: expected a model directory or a .pdparams file")
+    if _is_ours(p) or (p / "config.json").is_file() or (p / "model.pdparams").is_file():
+        return p
+    steps = sorted((c for c in p.iterdir() if c.is_dir() and _is_ours(c) and _step_of(c) >= 0), key=_step_of)
+    if steps:
+        return steps[-1]
+    if (p / ".metadata").is_file():
+        raise CheckpointError(
+            f"{p}: is a distributed (torch.distributed.checkpoint) checkpoint; "
+            f"run `gptforge convert --src {p} --out DIR` to make a single-file model directory"
+        )
+    raise CheckpointError(
+        f"{p}: not a model directory (expected config.yaml + model.safetensors, an HF GPT-2 directory "
+        "with config.json, or model.pdparams)"
+    )
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    p = resolve_checkpoint_path(path)
+    if _is_ours(p):
+        return OURS
+    if p.is_file() or (p / "model.pdparams").is_file():
+        return PADDLE
+    return HF
+
+
+# ------------------------------------------------------------------------------- configs
+
+
+def _hf_weight_shapes(p: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        shapes = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                    shapes[k] = tuple(sf.get_slice(k).get_shape())
+        return shapes
+    return {k: tuple(v.shape) for k, v in _hf_tensors(p).items()}
+
+
+def _hf_tensors(p: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(p.glob("pytorch_model*.bin"))
+    if not bins:
+        raise CheckpointError(f"{p}: no model.safetensors or pytorch_model.bin weights")
+    sd = {}
+    for f in bins:
+        try:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:  # noqa: BLE001 - pickles with code are refused here
+            raise CheckpointError(f"{f}: cannot load safely as plain tensors ({type(e).__name__})") from None
+    return sd
+
+
+def _preset_heads(hidden: int, layers: int) -> int | None:
+    from gptforge.model.presets import PRESETS
+
+    for shape in PRESETS.values():
+        if shape["hidden_size"] == hidden and shape["num_layers"] == layers:
+            return shape["num_attention_heads"]
+    return None
+
+
+def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw (canonical-layout) config dict a checkpoint carries."""
+    from gptforge.config.aliases import normalize_raw
+    from gptforge.config.loader import read_yaml
+    from gptforge.model import convert
+
+    p = resolve_checkpoint_path(path)
+    fmt = detect_format(p)
+    if fmt == OURS:
+        return normalize_raw(read_yaml(p / CONFIG_FILE))
+    if fmt == HF:
+        model = convert.hf_config_to_model(convert.read_json(p / "config.json"), str(p / "config.json"))
+        head_dim = model["hidden_size"] // model["num_attention_heads"]
+        heads, ffns = convert.hf_layer_shapes(_hf_weight_shapes(p), head_dim)
+        if heads and any(h != model["num_attention_heads"] for h in heads):
+            model["head_dim"] = head_dim
+            model["layer_num_heads"] = heads
+        if ffns and any(f != model["ffn_hidden_size"] for f in ffns):
+            model["layer_ffn_sizes"] = ffns
+        return {"Model": model}
+    arrays = _pdparams(p)
+    model = convert.paddle_shapes(arrays)
+    heads = _preset_heads(model["hidden_size"], model["num_layers"])
+    raw: dict[str, Any] = {"Model": model}
+    if heads is not None:
+        model["num_attention_heads"] = heads
+    else:
+        raw["__requires__"] = ["Model.num_attention_heads"]
+    return raw
+
+
+_PD_CACHE: dict[tuple[str, float], Any] = {}
+
+
+def _pdparams(p: Path):
+    """Arrays of a .pdparams checkpoint, parsed once per file version (they are read for the
+    config and again for the weights)."""
+    from gptforge.model import convert
+
+    f = p if p.is_file() else p / "model.pdparams"
+    key = (str(f.resolve()), f.stat().st_mtime)
+    if key not in _PD_CACHE:
+        _PD_CACHE.clear()
+        _PD_CACHE[key] = convert.read_pdparams(f)
+    return _PD_CACHE[key]
+
+
+def checkpoint_model_config(path: str | os.PathLike, fallback=None):
+    """The resolved model shape a checkpoint holds. `fallback` (a ModelConfig) supplies what the
+    file does not record (a .pdparams has no head count)."""
+    from gptforge.config import ARCH_KEYS, resolve_model
+    from gptforge.config.loader import _build
+    from gptforge.config.schema import ModelConfig
+    from gptforge.errors import ConfigError
+    from gptforge.model import convert
+
+    p = resolve_checkpoint_path(path)
+    raw = read_checkpoint_config(p)
+    model_raw = dict(raw.get("Model") or {})
+    if "Model.num_attention_heads" in raw.get("__requires__", []):
+        if fallback is None:
+            raise ConfigError(f"Model.num_attention_heads: the checkpoint {p} does not record it; "
+                              "pass -o Model.num_attention_heads=N")
+        model_raw["num_attention_heads"] = fallback.num_attention_heads
+    m = _build(ModelConfig, {k: v for k, v in model_raw.items() if k in ARCH_KEYS}, "Model")
+    resolve_model(m, 1)
+    if detect_format(p) == PADDLE:
+        heads = convert.paddle_layer_heads(_pdparams(p), m.num_layers, m.head_dim)
+        if any(h != m.num_attention_heads for h in heads):
+            m.layer_num_heads = heads
+    return m
+
+
+# ------------------------------------------------------------------------------ weights
+
+
+def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tensor]:
+    from gptforge.model import convert
+
+    if fmt == OURS:
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(p / WEIGHTS_FILE))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{p / WEIGHTS_FILE}: unreadable ({e})") from None
+    if fmt == HF:
+        sd = convert.hf_to_ours(_hf_tensors(p), model_cfg.num_layers)
+        return convert.regroup_qkv(sd, model_cfg.head_dim, to_grouped=False)
+    sd, ignored = convert.paddle_to_ours(_pdparams(p), model_cfg.num_layers, model_cfg.head_dim)
+    if ignored:
+        shown = ", ".join(ignored[:4]) + (" ..." if len(ignored) > 4 else "")
+        _notice(f"{p}: ignored {len(ignored)} non-model tensors ({shown})")
+    return sd
+
+
+def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
+    """Rebuild structure the checkpoint was saved with (currently: fake-quant modules)."""
+    quant = ((ckpt_raw.get("Compress") or {}).get("Quantization") or {})
+    if quant.get("enable"):
+        from gptforge.config.loader import _build
+        from gptforge.config.schema import QuantizationConfig
+
+        try:
+            from gptforge.compress.quant import quantize_model
+        except ImportError as e:  # pragma: no cover - part of the package
+            raise CheckpointError(f"checkpoint was saved with quantization but it is unavailable ({e})") from None
+        quantize_model(model, _build(QuantizationConfig, quant, "Compress.Quantization"))
+
+
+def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, with_structure: bool = True):
+    """(model in eval mode, config) from a checkpoint of any supported format.
+
+    `cfg` (optional) supplies run settings such as dropout; the shape always comes from the
+    checkpoint. `with_structure=False` loads only the float weights into a plain model.
+    """
+    from gptforge.config import ARCH_KEYS, load_config
+    from gptforge.model import build_model
+
+    p = resolve_checkpoint_path(path)
+    fmt = detect_format(p)
+    if cfg is None:
+        cfg = load_config(ckpt_dir=p)
+    shape = checkpoint_model_config(p, fallback=cfg.Model)
+    model_cfg = dataclasses.replace(cfg.Model, **{k: getattr(shape, k) for k in ARCH_KEYS})
+    model = build_model(model_cfg, device="meta")
+    ck_raw = read_checkpoint_config(p) if with_structure else {}
+    if with_structure:
+        _apply_recorded_structure(model, ck_raw)
+    sd = _checkpoint_state_dict(p, fmt, model_cfg)
+    if not with_structure:
+        names = set(model.state_dict())
+        sd = {k: v for k, v in sd.items() if k in names}
+    load_state_dict_checked(model, sd, str(p))
+    model = model.to(device=device or "cpu", dtype=dtype)
+    model.eval()
+    return model, dataclasses.replace(cfg, Model=model_cfg)
+
+
+def load_state_dict_checked(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """`load_state_dict(assign=True)` with errors that name the tensors and the likely cause."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensors (e.g. {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"{source}: weights do not match the model: " + "; ".join(parts))
+    for k, t in expected.items():
+        if tuple(t.shape) != tuple(sd[k].shape):
+            raise CheckpointError(
+                f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but the model expects {tuple(t.shape)}; "
+                "the Model section does not describe this checkpoint"
+            )
+    sd = {k: v.to(expected[k].dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+
+
+# ------------------------------------------------------------------------------- saving
+
+
+def atomic_dir(out_dir: str | os.PathLike, overwrite: bool = False):
+    """Context manager yielding a temp dir that replaces `out_dir` only when the block succeeds."""
+    return _AtomicDir(Path(out_dir), overwrite)
+
+
+class _AtomicDir:
+    def __init__(self, out: Path, overwrite: bool):
+        self.out, self.overwrite = out, overwrite
+
+    def __enter__(self) -> Path:
+        if self.out.exists() and not self.overwrite:
+            raise CheckpointError(f"{self.out}: already exists (pass --force to overwrite)")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.out.exists():
+            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+            os.replace(self.out, old)
+        os.replace(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def state_dict_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, de-duplicated tensors ready for safetensors."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def write_model_files(model: torch.nn.Module, cfg, dest: Path, tokenizer=None) -> None:
+    """Write model.safetensors + config.yaml (+ tokenizer) into an existing directory."""
+    from safetensors.torch import save_file
+
+    import gptforge
+    from gptforge.config import config_to_yaml
+
+    save_file(state_dict_for_save(model), str(dest / WEIGHTS_FILE), metadata={"format": "pt", "gptforge": gptforge.__version__})
+    (dest / CONFIG_FILE).write_text(config_to_yaml(cfg), encoding="utf-8")
+    if tokenizer is not None:
+        tokenizer.save(dest)
+
+
+def save_model_dir(model: torch.nn.Module, cfg, out_dir: str | os.PathLike, tokenizer=None,
+                   overwrite: bool = False) -> Path:
+    """Save a model directory atomically (a crash never leaves a half-written directory)."""
+    with atomic_dir(out_dir, overwrite) as tmp:
+        write_model_files(model, cfg, tmp, tokenizer)
+    return Path(out_dir)
+
+
+def hf_state_dict(model: torch.nn.Module, model_cfg) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel tensors for a model of uniform shape (float weights only)."""
+    from gptforge.model import convert
+
+    sd = {k: v for k, v in state_dict_for_save(model).items()}
+    sd = convert.regroup_qkv(sd, model_cfg.head_dim, to_grouped=True)
+    return convert.ours_to_hf(sd, model_cfg.num_layers)
+
+
+def save_hf_dir(model: torch.nn.Module, cfg, out_dir: str | os.PathLike, tokenizer=None,
+                overwrite: bool = False) -> Path:
+    """Write a directory `transformers` loads offline: config.json, model.safetensors,
+    generation_config.json and tokenizer files. Uniform shapes only; `gptforge export
+    --format hf` also handles models with fewer heads, QAT models and sharding."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from gptforge.model import convert
+
+    m = cfg.Model
+    if m.layer_num_heads or m.layer_ffn_sizes or m.head_dim * m.num_attention_heads != m.hidden_size:
+        raise CheckpointError("this model's shape is not a stock GPT-2 shape; use `gptforge export --format hf`")
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    with atomic_dir(out_dir, overwrite) as tmp:
+        save_file(hf_state_dict(model, m), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(convert.model_to_hf_config(m, eos), indent=2))
+        gen = {"_from_model_config": True}
+        if eos is not None:
+            gen.update(bos_token_id=eos, eos_token_id=eos)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return Path(out_dir)

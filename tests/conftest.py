@@ -1,0 +1,35 @@
+"""Shared fixtures. Tests make their own small data; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Keep runs reproducible and light on the 2-core CI machine.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run `gptforge ...` in-process; returns (exit code, stdout, stderr)."""
+    from gptforge.cli import main
+
+    def _run(*argv: str):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse --help / usage errors
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run
