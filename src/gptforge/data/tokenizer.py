@@ -9,6 +9,8 @@ its tokenizer files, so later verbs find it without a flag.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +21,9 @@ from gptforge.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+GPT2_VOCAB_SIZE = 50257
+# tiktoken's GPT-2 split pattern; equal to the HF/OpenAI one on every input (tests prove the ids).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
 def gpt2_vocab_files() -> tuple[Path, Path]:
@@ -43,6 +48,7 @@ class Tokenizer:
         if eos is None:
             raise DataError(f"tokenizer {name!r} has no {EOS_TOKEN} token")
         self.eos_token_id = int(eos)
+        self._fingerprint: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +63,24 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]  # padded-vocab ids decode to ''
         return self.backend.decode(ids, skip_special_tokens=False)
+
+    def fingerprint(self) -> str:
+        """A short hash of the vocabulary (token -> id), stable across tokenizers versions."""
+        if self._fingerprint is None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            h = hashlib.sha1()
+            for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+                h.update(f"{i}\t{tok}\n".encode("utf-8", "surrogatepass"))
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def is_gpt2(self) -> bool:
+        """True when this is GPT-2's vocabulary (whatever files it was loaded from)."""
+        return self.vocab_size == GPT2_VOCAB_SIZE and self.fingerprint() == gpt2_tokenizer().fingerprint()
+
+    def to_str(self) -> str:
+        """The whole tokenizer as tokenizer.json text (to rebuild it in another process)."""
+        return self.backend.to_str()
 
     def save(self, out_dir: str | os.PathLike) -> None:
         """Write tokenizer.json plus the HF files (vocab.json, merges.txt, tokenizer_config.json)."""
@@ -86,10 +110,46 @@ def _from_vocab_merges(vocab: Path, merges: Path, name: str) -> Tokenizer:
     return Tokenizer(backend, name)
 
 
+@functools.lru_cache(maxsize=1)
 def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2's byte-level BPE (50257 tokens, EOS 50256)."""
+    """GPT-2's byte-level BPE (50257 tokens, EOS 50256). Cached: tokenizers are stateless."""
     enc, bpe = gpt2_vocab_files()
     return _from_vocab_merges(enc, bpe, "gpt2")
+
+
+@functools.lru_cache(maxsize=1)
+def tiktoken_gpt2():
+    """tiktoken's Encoding for GPT-2 built from the same local files (about 4x faster than HF)."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    enc, bpe = gpt2_vocab_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(bpe), encoder_json_file=str(enc))
+    return tiktoken.Encoding(name="gpt2-local", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOS_TOKEN: GPT2_VOCAB_SIZE - 1}, explicit_n_vocab=GPT2_VOCAB_SIZE)
+
+
+def from_str(text: str, name: str = "custom") -> Tokenizer:
+    """Rebuild a tokenizer from `Tokenizer.to_str()`."""
+    from tokenizers import Tokenizer as Backend
+
+    return Tokenizer(Backend.from_str(text), name)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                    show_progress: bool = True) -> Tokenizer:
+    """Byte-level BPE with `vocab_size` tokens learned from `texts`; EOS is the last id, like GPT-2."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    if vocab_size < 257 + 1:
+        raise DataError(f"--vocab-size {vocab_size}: must be at least 258 (256 bytes, one merge, {EOS_TOKEN})")
+    backend = ByteLevelBPETokenizer(add_prefix_space=False)
+    backend.train_from_iterator(texts, vocab_size=vocab_size - 1, min_frequency=min_frequency,
+                                show_progress=show_progress, special_tokens=[])
+    if backend.get_vocab_size() <= 256:
+        raise DataError("the training text is too small to learn any merge; give more text")
+    backend.add_special_tokens([EOS_TOKEN])
+    return Tokenizer(backend, f"bpe-{backend.get_vocab_size()}")
 
 
 def _from_path(p: Path) -> Tokenizer | None:
