@@ -9,8 +9,66 @@ from gptforge.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Evaluate a model on your own data files (nothing is downloaded). With Offline_Eval.cloze_eval=True: "
+        "LAMBADA accuracy on a jsonl of {\"text\": ...}; otherwise WikiText perplexity on a text file. "
+        "With --harness: lm-eval tasks from local task YAMLs."
+    )
     add_config_args(p)
+    p.add_argument("--output", metavar="FILE",
+                   help="results JSON (default: Offline_Eval.output, else <ckpt dir>/eval_results_<task>.json)")
+    p.add_argument("--emulate-reference-aggregation", action="store_true",
+                   help="also report the number the reference's engine would log (batch 0 counted "
+                        "logging_freq times, tail dropped); clearly labelled, never the main result")
+    p.add_argument("--restrict-vocab", action="store_true",
+                   help="argmax/softmax over the tokenizer's ids only (default: every column of the "
+                        "model's padded vocabulary, as the reference and HF do)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    h = p.add_argument_group("lm-eval (optional extra: pip install 'gptforge[eval]')")
+    h.add_argument("--harness", metavar="TASKS", help="comma-separated lm-eval task names to run instead")
+    h.add_argument("--include-path", metavar="DIR", help="directory of lm-eval task YAMLs (local data files)")
+    h.add_argument("--builtin-tasks", action="store_true",
+                   help="also index lm-eval's own tasks (~14 s; they need their datasets available offline)")
+    h.add_argument("--limit", type=float, metavar="N", help="lm-eval: at most N documents per task (<1: a fraction)")
+    h.add_argument("--num-fewshot", type=int, metavar="K", help="lm-eval: few-shot examples per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge eval` is not implemented yet")
+    from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
+
+    if (args.include_path or args.builtin_tasks or args.limit is not None or args.num_fewshot is not None) \
+            and not args.harness:
+        raise UsageError("--include-path/--builtin-tasks/--limit/--num-fewshot only apply with --harness TASKS")
+    cfg = config_from_args(args, require=True)
+    if not args.ckpt:
+        raise UsageError("give the model to evaluate with --ckpt DIR (ours, an HF GPT-2 directory or a .pdparams)")
+    device = select_device(cfg.Global.device)
+    model, cfg, tok = load_model_and_tokenizer(args, cfg, device=device)
+    if args.harness:
+        return _run_harness(args, cfg, model, tok)
+    from gptforge.evaluate import run_eval
+
+    run_eval(cfg, model, tok, output=args.output, ckpt=args.ckpt,
+             emulate_reference_aggregation=args.emulate_reference_aggregation,
+             restrict_vocab=args.restrict_vocab, progress=not args.no_progress)
+    return 0
+
+
+def _run_harness(args, cfg, model, tok) -> int:
+    from gptforge.evaluate.common import amp_dtype_for, model_context, model_device
+    from gptforge.evaluate.harness import run_harness
+    from gptforge.evaluate.runner import default_output
+
+    if args.emulate_reference_aggregation:
+        raise UsageError("--emulate-reference-aggregation applies to LAMBADA/WikiText, not --harness")
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    oe = cfg.Offline_Eval
+    run_harness(model, tok, args.harness, include_path=args.include_path, batch_size=oe.batch_size,
+                limit=limit, num_fewshot=args.num_fewshot, builtin_tasks=args.builtin_tasks,
+                output=args.output or oe.output or default_output("harness", args.ckpt),
+                max_length=min(oe.max_seq_len, model_context(model)),
+                vocab_size=tok.vocab_size if args.restrict_vocab else None,
+                amp_dtype=amp_dtype_for(cfg, model_device(model)))
+    return 0
