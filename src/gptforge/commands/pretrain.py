@@ -1,16 +1,59 @@
-"""`gptforge pretrain`: Pretrain or continue training a GPT model."""
+"""`gptforge pretrain`: Pretrain or continue training a GPT model.
+
+    gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml -o Engine.max_steps=200
+    gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml --resume auto     # newest checkpoint in output_dir
+    gptforge pretrain --ckpt output/step_100 -o Engine.max_steps=200          # continue that run
+
+`--ckpt DIR` takes the config and tokenizer from DIR: a training checkpoint (step_N or a run
+directory) resumes exactly; a plain model directory (ours, HF GPT-2, .pdparams) starts a new
+run from its weights, like `-o Compress.pretrained=DIR`.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, config_from_args
 from gptforge.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    add_config_args(p, ckpt_help=(
+        "continue from this checkpoint; its config and tokenizer are used, so -c is optional. A training "
+        "checkpoint (step_N, or a run directory: its newest step) resumes exactly; a plain model directory "
+        "(ours, HF GPT-2, .pdparams) starts a new run from its weights"))
+    p.add_argument("--resume", metavar="auto|DIR", help=(
+        "resume a run: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh "
+        "when there is none); DIR = that checkpoint (same as -o Engine.save_load.ckpt_dir=DIR)"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge pretrain` is not implemented yet")
+    from pathlib import Path
+
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.train import checkpoint as ckpt
+    from gptforge.train import pretrain
+
+    cfg = config_from_args(args, require=True)
+    resume = args.resume
+    if resume is not None and cfg.Engine.save_load.ckpt_dir:
+        raise UsageError("give either --resume or Engine.save_load.ckpt_dir, not both")
+    tokenizer = None
+    if args.ckpt:
+        if resume is not None or cfg.Engine.save_load.ckpt_dir:
+            raise UsageError("--ckpt already names the checkpoint; drop --resume / Engine.save_load.ckpt_dir")
+        p = Path(args.ckpt)
+        if ckpt.is_complete(p) or ckpt.latest_checkpoint(p) is not None:
+            resume = str(ckpt.resolve_resume_dir(p))
+            tok_dir = Path(resume)
+        else:
+            from gptforge.model_io import resolve_checkpoint_path
+
+            tok_dir = resolve_checkpoint_path(p)
+            cfg.Compress.pretrained = str(tok_dir)
+        tokenizer = load_tokenizer(cfg.Data.tokenizer, tok_dir if tok_dir.is_dir() else None)
+    result = pretrain(cfg, tokenizer=tokenizer, resume=resume, progress=False if args.no_progress else None)
+    last = result.checkpoint_dir
+    print(f"gptforge pretrain: done at step {result.step}; checkpoint {last}; metrics {result.output_dir}/metrics.jsonl")
+    return 0

@@ -1,0 +1,434 @@
+"""The training loop of `gptforge pretrain` (spec §4): setup order, step, eval, log, save, resume.
+
+Setup follows the reference (spec §8.2): build the model (or take the caller's) → load
+`Compress.pretrained` weights → the caller's transform (fake-quant, pruning) → device →
+resume weights → recompute → compile → parallel wrapping → precision → AdamW over the
+trainable parameters → resume optimizer/scheduler/scaler/RNG state.
+
+One step consumes one global batch: the local batch is split into `accumulate_steps`
+micro-batches whose `loss/acc` are backpropagated; then unscale (fp16) → clip → AdamW; the LR
+schedule advances by the global batch only if the update happened. Steps are counted from 1:
+`step_N` is the state after N updates and a run with `Engine.max_steps=N` does exactly N
+(the reference does N+1 and re-runs the saved step on resume; see docs/pretrain.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from gptforge.config.schema import Config
+from gptforge.errors import ConfigError, GPTForgeError
+from gptforge.train import checkpoint as ckpt
+from gptforge.train.metrics import (
+    RunLogger,
+    device_name,
+    eval_line,
+    fmt_mfu,
+    peak_flops,
+    peak_memory_bytes,
+    train_flops_per_token,
+    train_line,
+)
+from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer, clip_grad_norm_
+from gptforge.train.parallel import setup_parallel
+from gptforge.train.precision import Precision
+from gptforge.train.recompute import apply_recompute
+
+
+class NonFiniteLossError(GPTForgeError):
+    """Training produced a non-finite loss or gradient and `Engine.on_nonfinite` is `stop`."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: Path | None):
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+@dataclass
+class TrainResult:
+    """What a run did: the last step, per-step losses of this process's steps, checkpoints."""
+
+    step: int
+    losses: list[float]
+    checkpoint_dir: Path | None
+    output_dir: Path
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _notice(msg: str) -> None:
+    import sys
+
+    print(f"gptforge: {msg}", file=sys.stderr)
+
+
+class Trainer:
+    """Owns the model, optimizer, data iterators and run directory of one training run.
+
+    `model`: an already-built (possibly transformed) model to train; default: built from
+    `cfg.Model`. `transform(model) -> model` runs after `Compress.pretrained` weights are
+    loaded (QAT inserts fake-quant modules here, pruning shrinks the model). `datasets`:
+    {"Train": ..., "Eval": ...} to use instead of `build_datasets(cfg)`. `resume`: a step
+    checkpoint, a run directory, or "auto" (the newest complete checkpoint in the output dir);
+    default `Engine.save_load.ckpt_dir`.
+    """
+
+    def __init__(self, cfg: Config, model: nn.Module | None = None, tokenizer=None, *,
+                 transform: Callable[[nn.Module], nn.Module] | None = None,
+                 datasets: dict | None = None, resume: str | Path | None = None,
+                 progress: bool | None = None, echo: bool = True):
+        from gptforge.commands.common import select_device
+        from gptforge.config import check_train_shapes
+
+        check_train_shapes(cfg)
+        self.cfg = cfg
+        e = cfg.Engine
+        self.device = select_device(cfg.Global.device)
+        self.output_dir = Path(e.save_load.output_dir).expanduser()
+        self.max_steps = e.max_steps
+        self.gbs, self.local_bs = cfg.Global.global_batch_size, cfg.Global.local_batch_size
+        self.acc = e.accumulate_steps
+        self.resume_dir = self._resume_dir(resume if resume is not None else e.save_load.ckpt_dir)
+        seed_everything(cfg.Global.seed)
+
+        # 1. model → pretrained weights → caller's transform → device → resumed weights
+        if model is None:
+            from gptforge.model import build_model
+
+            model = build_model(cfg.Model)
+        if cfg.Compress.pretrained and self.resume_dir is None:
+            load_pretrained(model, cfg.Compress.pretrained, cfg)
+        if transform is not None:
+            model = transform(model)
+        model = model.to(self.device)
+        if self.resume_dir is not None:
+            ckpt.load_model_weights(self.resume_dir, model)
+        self.model = model  # the plain model: saved, evaluated, handed back
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        vocab = getattr(getattr(model, "config", None), "vocab_size", cfg.Model.vocab_size)
+        if self.tokenizer.vocab_size > vocab:
+            raise ConfigError(
+                f"Data.tokenizer: {self.tokenizer.name!r} has {self.tokenizer.vocab_size} tokens but the model's "
+                f"vocabulary is {vocab}; raise Model.vocab_size or use the tokenizer the data was made with")
+
+        # 2. recompute → compile → parallel → precision → optimizer
+        m = cfg.Model
+        granularity = m.recompute_granularity if (m.use_recompute or m.recompute_granularity) else None
+        self.recomputed = apply_recompute(model, granularity, m.no_recompute_layers or [])
+        train_model = model
+        if e.compile:
+            if self.device.type == "cpu":
+                _notice("Engine.compile on CPU: expect no speed-up at model scale and 10-50 s of compile time")
+            train_model = torch.compile(model)
+        self.train_model, self.par = setup_parallel(train_model, cfg, self.device)
+        self.precision = Precision(e.mix_precision, self.device)
+        self.optimizer = build_optimizer(model, cfg.Optimizer)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.scheduler = Scheduler(self.optimizer, LRSchedule.from_config(cfg))
+
+        # 3. training state
+        self.step, self.eval_consumed, self.eval_batches_done = 0, 0, 0
+        self.last_checkpoint: Path | None = None
+        if self.resume_dir is not None:
+            meta = ckpt.load_training_state(self.resume_dir, self.optimizer, self.scheduler, self.precision)
+            self.step = int(meta["step"])
+            self.eval_consumed = int(meta.get("eval_consumed_samples", 0))
+            self.eval_batches_done = int(meta.get("eval_batches", 0))
+            self.last_checkpoint = self.resume_dir
+            if int(meta.get("global_batch_size", self.gbs)) != self.gbs:
+                raise ConfigError(f"Global.global_batch_size: {self.gbs} differs from the checkpoint's "
+                                  f"{meta['global_batch_size']} ({self.resume_dir}); resume with the same batch size")
+        self.datasets = datasets
+        self.progress, self.echo = progress, echo
+        self.flops_per_token = train_flops_per_token(model, cfg.Data.Train.dataset.max_seq_len)
+        self.peak = peak_flops(self.device, self.precision.name)
+
+    # ------------------------------------------------------------------------- setup
+
+    def _resume_dir(self, spec) -> Path | None:
+        if spec is None or str(spec) == "":
+            return None
+        if str(spec) == "auto":
+            latest = ckpt.latest_checkpoint(self.output_dir)
+            if latest is None:
+                _notice(f"--resume auto: no complete checkpoint in {self.output_dir}; starting from step 0")
+            return latest
+        return ckpt.resolve_resume_dir(spec)
+
+    def _load_tokenizer(self):
+        from gptforge.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.cfg.Data.tokenizer, self.resume_dir)
+
+    def _build_datasets(self) -> dict:
+        if self.datasets is None:
+            from gptforge.data.dataset import build_datasets
+
+            splits = ("Train", "Eval") if self._eval_enabled() else ("Train",)
+            self.datasets = build_datasets(self.cfg, splits, tokenizer=self.tokenizer)
+        if "Train" not in self.datasets or self.datasets["Train"] is None:
+            raise ConfigError("no Train dataset: set Data.Train.dataset.input_dir")
+        return self.datasets
+
+    def _eval_enabled(self) -> bool:
+        e = self.cfg.Engine
+        return e.eval_freq > 0 and e.eval_iters > 0
+
+    def _loader(self, split: str, consumed: int):
+        from gptforge.data.dataset import GPTBatchSampler, collate
+
+        ds = self.datasets[split]
+        sp = getattr(self.cfg.Data, split)
+        sampler = GPTBatchSampler(len(ds), self.local_bs, self.par.data_rank, self.par.data_world_size,
+                                  consumed_samples=consumed, drop_last=sp.sampler.drop_last)
+        workers = max(0, sp.loader.num_workers)
+        # A private generator: creating a loader iterator must not draw from the global RNG
+        # (that would shift dropout masks and break bit-exact resume).
+        return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                                           pin_memory=self.device.type == "cuda", generator=torch.Generator(),
+                                           persistent_workers=False)
+
+    def _batches(self, split: str, consumed: int):
+        """Endless batches: a finished pass starts the next one (indices wrap like the sampler's)."""
+        while True:
+            n = 0
+            for batch in self._loader(split, consumed):
+                n += 1
+                yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            if n == 0:
+                from gptforge.errors import DataError
+
+                raise DataError(f"Data.{split}: the dataset yields no batch of {self.local_bs} samples")
+            consumed = 0
+
+    # -------------------------------------------------------------------------- step
+
+    def _forward_loss(self, batch: dict, model: nn.Module) -> torch.Tensor:
+        with self.precision.autocast():
+            out = model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                        loss_mask=batch["loss_mask"])
+        return out.loss
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step on one local batch; returns loss, lr, grad_norm, found_inf."""
+        model = self.train_model
+        model.train()
+        lr = self.scheduler.lr
+        micro = [{k: v[i * self.cfg.Global.micro_batch_size:(i + 1) * self.cfg.Global.micro_batch_size]
+                  for k, v in batch.items()} for i in range(self.acc)]
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            with self.par.no_sync(model, i == self.acc - 1):
+                loss = self._forward_loss(mb, model)
+                self.precision.backward(loss / self.acc)
+            total += loss.detach().float()
+        loss_val = float(self.par.mean(total / self.acc))
+        self.precision.unscale_(self.optimizer)
+        norm = clip_grad_norm_(self.params, self.cfg.Optimizer.grad_clip.clip_norm)
+        norm_val = float(norm)
+        bad = not (math.isfinite(loss_val) and math.isfinite(norm_val))
+        if bad and not self.precision.fp16:
+            if self.cfg.Engine.on_nonfinite == "stop":
+                self.optimizer.zero_grad(set_to_none=True)
+                where = self.last_checkpoint or "none saved yet"
+                raise NonFiniteLossError(
+                    f"step {self.step + 1}: {'loss' if not math.isfinite(loss_val) else 'gradient norm'} is "
+                    f"{loss_val if not math.isfinite(loss_val) else norm_val} ({self.precision.name}); training "
+                    f"stopped, last good checkpoint: {where}. Lower Optimizer.lr.max_lr, or set "
+                    "Engine.on_nonfinite=skip to skip such steps", self.step + 1, self.last_checkpoint)
+            stepped = False  # skip: no update, no LR advance
+        else:
+            stepped = self.precision.step(self.optimizer)
+        if stepped:
+            self.scheduler.advance(self.gbs)
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_val, "lr": lr, "grad_norm": norm_val, "found_inf": int(not stepped),
+                "loss_scale": self.precision.loss_scale}
+
+    @torch.no_grad()
+    def evaluate(self, iters: int | None = None) -> float:
+        """Mean loss over the next `iters` (default `eval_iters`) batches of the persistent
+        eval iterator; each local batch in one forward pass (spec §2.5)."""
+        iters = iters or self.cfg.Engine.eval_iters
+        self._build_datasets()
+        if "Eval" not in self.datasets:
+            raise ConfigError("no Eval dataset: set Data.Eval.dataset.input_dir or Engine.eval_iters=0")
+        if getattr(self, "_eval_iter", None) is None:
+            self._eval_iter = self._batches("Eval", self.eval_consumed)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        losses = []
+        try:
+            for _ in range(iters):
+                batch = next(self._eval_iter)
+                losses.append(self._forward_loss(batch, model).float())
+                self.eval_consumed += self.gbs
+                self.eval_batches_done += 1
+        finally:
+            model.train(was_training)
+        return float(self.par.mean(torch.stack(losses).mean()))
+
+    # ------------------------------------------------------------------------ saving
+
+    def save(self, loss: float | None = None) -> Path | None:
+        """Write the step checkpoint for the current step (main process only)."""
+        path = None
+        if self.par.is_main:
+            meta = {"consumed_samples": self.step * self.gbs, "eval_consumed_samples": self.eval_consumed,
+                    "eval_batches": self.eval_batches_done, "global_batch_size": self.gbs,
+                    "scheduler_samples": self.scheduler.samples, "lr": self.scheduler.lr, "loss": loss,
+                    "precision": self.precision.name}
+            path = ckpt.save_checkpoint(self.output_dir, self.step, self.par.unwrap(self.model), self.cfg,
+                                        self.tokenizer, self.optimizer, self.scheduler, self.precision, meta,
+                                        keep_last=self.cfg.Engine.save_load.keep_last)
+        self.par.barrier()
+        self.last_checkpoint = path or self.output_dir / ckpt.step_dir_name(self.step)
+        return path
+
+    def _write_run_config(self) -> None:
+        from gptforge.config import config_to_yaml
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.output_dir / ".config.yaml.tmp"
+        tmp.write_text(config_to_yaml(self.cfg), encoding="utf-8")
+        tmp.replace(self.output_dir / "config.yaml")
+
+    # -------------------------------------------------------------------------- loop
+
+    def train(self) -> TrainResult:
+        """Run until `Engine.max_steps` steps are done; returns a `TrainResult`."""
+        e, cfg = self.cfg.Engine, self.cfg
+        self._build_datasets()
+        train_len = len(self.datasets["Train"])
+        if self.par.is_main:
+            ckpt.clean_stale_tmp(self.output_dir)
+            self._write_run_config()
+        log = RunLogger(self.output_dir, enabled=self.par.is_main, total_steps=self.max_steps,
+                        start_step=self.step, progress=self.progress, echo=self.echo)
+        seq = cfg.Data.Train.dataset.max_seq_len
+        tokens_per_step = self.gbs * seq
+        save_steps = e.save_load.save_steps
+        losses: list[float] = []
+        eval_losses: list[tuple[int, float]] = []
+        start_step = self.step
+        self._header(log, start_step)
+        window_loss, window_inf, window_steps = 0.0, 0, 0
+        t_window = t_start = time.perf_counter()
+        train_iter = self._batches("Train", self.step * self.gbs)
+        eval_total = e.eval_iters * (self.max_steps // e.eval_freq) if self._eval_enabled() else 0
+        try:
+            while self.step < self.max_steps:
+                stats = self.train_step(next(train_iter))
+                self.step += 1
+                losses.append(stats["loss"])
+                window_loss += stats["loss"]
+                window_inf += stats["found_inf"]
+                window_steps += 1
+                if self.step % e.logging_freq == 0 or self.step == self.max_steps:
+                    now = time.perf_counter()
+                    cost = (now - t_window) / window_steps
+                    mean_loss = window_loss / window_steps
+                    epoch = (self.step * self.gbs - 1) // train_len
+                    log.info(train_line(epoch, e.num_train_epochs, self.step, self.max_steps, mean_loss, cost,
+                                        tokens_per_step, self.par.data_world_size, stats["lr"], window_inf,
+                                        stats["loss_scale"]))
+                    tps = tokens_per_step / cost
+                    mfu = self.flops_per_token * tps / self.par.world_size / self.peak if self.peak else None
+                    log.record("train", self.step, {
+                        "loss": mean_loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                        "found_inf": window_inf, "loss_scale": stats["loss_scale"], "step_time": cost,
+                        "tokens_per_s": tps, "mfu": mfu, "consumed_samples": self.step * self.gbs})
+                    log.progress(self.step, mean_loss)
+                    window_loss, window_inf, window_steps, t_window = 0.0, 0, 0, now
+                if self._eval_enabled() and self.step % e.eval_freq == 0:
+                    t0 = time.perf_counter()
+                    eval_loss = self.evaluate()
+                    cost = (time.perf_counter() - t0) / e.eval_iters
+                    eval_losses.append((self.step, eval_loss))
+                    log.info(eval_line(0, self.eval_batches_done, eval_total, eval_loss, cost))
+                    log.record("eval", self.step, {"loss": eval_loss, "ppl": math.exp(min(eval_loss, 50.0)),
+                                                   "eval_time": cost * e.eval_iters})
+                    t_window += time.perf_counter() - t0  # eval time is not train time
+                if (save_steps and self.step % save_steps == 0) or self.step == self.max_steps:
+                    t0 = time.perf_counter()
+                    path = self.save(stats["loss"])
+                    if path is not None:
+                        log.info(f"[save] step {self.step}: {path}")
+                    t_window += time.perf_counter() - t0
+        except NonFiniteLossError as err:
+            log.record("stop", err.step, {"reason": "nonfinite", "last_checkpoint": str(err.last_checkpoint)})
+            log.info(f"[stop] {err}")
+            log.close()
+            raise
+        elapsed = time.perf_counter() - t_start
+        done = self.step - start_step
+        tps = done * tokens_per_step / elapsed if done and elapsed > 0 else 0.0
+        mfu = self.flops_per_token * tps / self.par.world_size / self.peak if self.peak and tps else None
+        summary = {"steps": done, "train_time_s": elapsed, "tokens_per_s": tps, "mfu": mfu,
+                   "peak_memory_bytes": peak_memory_bytes(self.device), "device": device_name(self.device),
+                   "precision": self.precision.name, "final_loss": losses[-1] if losses else None}
+        log.info(f"[Training] epoch: 0, total time: {elapsed:.5f} sec, steps: {done}, tokens/s: {tps:.0f}, "
+                 f"MFU: {fmt_mfu(mfu)}, peak memory: {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
+        log.record("summary", self.step, summary)
+        log.close()
+        return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
+                           output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
+
+    def _header(self, log: RunLogger, start_step: int) -> None:
+        cfg, m = self.cfg, self.model
+        n = sum(p.numel() for p in m.parameters())
+        trainable = sum(p.numel() for p in self.params)
+        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
+                 f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
+                 f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
+                 f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
+                 f"{cfg.Model.recompute_granularity if self.recomputed else 'off'}, output {self.output_dir}")
+        if self.resume_dir is not None:
+            log.info(f"resumed from {self.resume_dir} at step {start_step} "
+                     f"({start_step * self.gbs} samples consumed)")
+        if self.peak is None:
+            log.info(f"MFU: n/a (no peak-FLOPs entry for {device_name(self.device)})")
+
+
+def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
+    """Copy `Compress.pretrained` float weights (any format `model_io` reads) into `model` in place.
+
+    Weights only: no optimizer state or step. Tensors the model has but the checkpoint lacks
+    are allowed only if they are not weights of the plain GPT (e.g. fake-quant state).
+    """
+    from gptforge.errors import CheckpointError
+    from gptforge.model_io import load_model
+
+    src, _ = load_model(path, cfg, with_structure=False)
+    sd = src.state_dict()
+    own = model.state_dict()
+    for k, v in sd.items():
+        if k not in own:
+            raise CheckpointError(f"Compress.pretrained: {path} has tensor {k} that the model lacks")
+        if tuple(own[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"Compress.pretrained: {path} tensor {k} has shape {tuple(v.shape)}, the model "
+                                  f"{tuple(own[k].shape)}; the Model section does not describe this checkpoint")
+    model.load_state_dict(sd, strict=False)
+
+
+def pretrain(cfg: Config, model: nn.Module | None = None, tokenizer=None, **kwargs) -> TrainResult:
+    """Train `cfg` (a resolved Config) and return a `TrainResult`. Keyword arguments go to `Trainer`."""
+    return Trainer(cfg, model, tokenizer, **kwargs).train()
+
+
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "load_pretrained", "pretrain", "seed_everything"]

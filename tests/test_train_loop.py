@@ -1,0 +1,236 @@
+"""The training loop: learning, exact resume, crash safety, overflow/non-finite handling, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptforge.train import NonFiniteLossError, Trainer, pretrain
+from gptforge.train import checkpoint as ckpt
+from gptforge.train.optim import LRSchedule
+from test_train_support import small_tokenizer, state_equal, train_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(cfg, **kw):
+    return pretrain(cfg, tokenizer=small_tokenizer(), progress=False, echo=False, **kw)
+
+
+def test_loss_falls_and_lr_follows_the_schedule(tmp_path):
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=-1", steps=40)
+    t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    r = t.train()
+    assert r.step == 40 and len(r.losses) == 40
+    assert sum(r.losses[-5:]) / 5 < 0.6 * sum(r.losses[:5]) / 5
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in rows if x["kind"] == "train"]
+    sched = LRSchedule.from_config(cfg)
+    # update k (0-based) uses lr(k * global_batch_size)
+    assert [x["lr"] for x in train] == pytest.approx([sched(k * 4) for k in range(40)])
+    assert train[0]["lr"] == 0.0
+    assert [x["step"] for x in rows if x["kind"] == "eval"] == list(range(4, 41, 4))
+    # the only checkpoint is the final one, and it is a loadable model directory
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "out")] == ["step_40"]
+    from gptforge.model_io import load_model
+
+    model, _ = load_model(tmp_path / "out")
+    assert state_equal(model.state_dict(), t.model.state_dict())
+    assert (tmp_path / "out" / "train.log").read_text().count("[train]") == 40
+    assert list((tmp_path / "out" / "tensorboard").iterdir())
+
+
+def test_exact_resume_is_bit_identical(tmp_path):
+    """N steps straight == N/2, then a new Trainer resuming from the step-N/2 checkpoint."""
+    over = ("Optimizer.grad_clip.clip_norm=0.5", "Engine.eval_freq=2", "Data.Train.loader.num_workers=1")
+    a = _train(train_config(tmp_path / "a", *over, dropout=0.1, steps=8))
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "a" / "out")] == ["step_4", "step_8"]
+
+    torch.manual_seed(12345)  # resume must not depend on the state of the process
+    import random
+
+    import numpy as np
+    random.seed(1)
+    np.random.seed(1)
+    cfg_b = train_config(tmp_path / "b", *over, f"Engine.save_load.ckpt_dir={tmp_path / 'a' / 'out' / 'step_4'}",
+                         dropout=0.1, steps=8)
+    b = _train(cfg_b)
+    assert b.losses == a.losses[4:]  # exact float equality
+    assert b.eval_losses == a.eval_losses[2:]
+    sd = lambda p: __import__("safetensors.torch").torch.load_file(str(p / "model.safetensors"))  # noqa: E731
+    assert state_equal(sd(tmp_path / "a" / "out" / "step_8"), sd(tmp_path / "b" / "out" / "step_8"))
+    oa = torch.load(tmp_path / "a" / "out" / "step_8" / ckpt.STATE_FILE, weights_only=True)["optimizer"]["state"]
+    ob = torch.load(tmp_path / "b" / "out" / "step_8" / ckpt.STATE_FILE, weights_only=True)["optimizer"]["state"]
+    assert all(state_equal(oa[k], ob[k]) for k in oa)
+    meta = ckpt.read_meta(tmp_path / "b" / "out" / "step_8")
+    assert meta["consumed_samples"] == 32 and meta["eval_batches"] == 8
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import gptforge.train.checkpoint as C
+    real = C.write_model_files
+    def dying(model, cfg, dest, tokenizer=None):
+        real(model, cfg, dest, tokenizer)
+        if dest.name.startswith(".step_4."):
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-write: model files written, state not yet
+    C.write_model_files = dying
+    from gptforge.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, run_cli):
+    from gptforge.config import save_config
+
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=2", steps=6)
+    cfg_file = tmp_path / "run.yaml"
+    save_config(cfg, cfg_file)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-c", KILLER, "pretrain", "-c", str(cfg_file), "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    out = tmp_path / "out"
+    assert [p.name for _, p in ckpt.list_checkpoints(out)] == ["step_2"]
+    assert any(p.name.startswith(".step_4.tmp-") for p in out.iterdir())  # the torn write
+    assert ckpt.latest_checkpoint(out).name == "step_2"
+
+    code, stdout, stderr = run_cli("pretrain", "-c", cfg_file, "--resume", "auto", "--no-progress")
+    assert code == 0, stderr
+    assert f"resumed from {out / 'step_2'} at step 2" in stdout
+    assert "batch: [3/6]" in stdout and "batch: [2/6]" not in stdout
+    assert [p.name for _, p in ckpt.list_checkpoints(out)] == ["step_2", "step_4", "step_6"]
+    assert not any(p.name.startswith(".") for p in out.iterdir())
+
+    # and the result equals an uninterrupted run
+    straight = _train(train_config(tmp_path / "straight", "Engine.save_load.save_steps=2", steps=6))
+    from safetensors.torch import load_file
+
+    assert state_equal(load_file(str(out / "step_6" / "model.safetensors")),
+                       load_file(str(straight.checkpoint_dir / "model.safetensors")))
+
+
+def test_keep_last_and_resume_auto_without_checkpoint(tmp_path, capsys):
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=1", "Engine.save_load.keep_last=2", steps=5)
+    r = _train(cfg, resume="auto")
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "out")] == ["step_4", "step_5"]
+    assert r.checkpoint_dir == tmp_path / "out" / "step_5"
+
+
+def _inject(trainer, step, value):
+    """Make the gradient of one parameter `value` during update number `step` (1-based)."""
+    p = trainer.model.blocks[0].linear1.weight
+    calls = {"n": 0}
+
+    def hook(grad):
+        calls["n"] += 1
+        if calls["n"] in range((step - 1) * trainer.acc + 1, step * trainer.acc + 1):
+            return torch.full_like(grad, value)
+        return grad
+
+    p.register_hook(hook)
+
+
+def test_fp16_overflow_skips_update_and_lr_advance(tmp_path):
+    cfg = train_config(tmp_path, "Engine.mix_precision.enable=True", "Engine.mix_precision.dtype=float16",
+                       "Engine.mix_precision.scale_loss=256", "Engine.save_load.save_steps=-1", "Engine.eval_freq=-1",
+                       steps=4)
+    t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    _inject(t, 3, float("inf"))
+    t._build_datasets()
+    it = t._batches("Train", 0)
+    stats, snaps = [], []
+    for _ in range(4):
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        samples = t.scheduler.samples
+        stats.append(t.train_step(next(it)))
+        snaps.append((before, samples))
+        t.step += 1
+    assert [s["found_inf"] for s in stats] == [0, 0, 1, 0]
+    assert [s["loss_scale"] for s in stats] == [256.0, 256.0, 128.0, 128.0]
+    assert state_equal(snaps[2][0], snaps[3][0])  # step 3 changed nothing
+    assert not state_equal(snaps[1][0], snaps[2][0])
+    assert t.scheduler.samples == 3 * 4  # 4 steps, one skipped: the LR advanced 3 times
+    assert stats[3]["lr"] == stats[2]["lr"]  # the retry uses the LR the skipped step would have used
+    assert all(torch.isfinite(v).all() for v in t.model.state_dict().values())
+
+
+def test_fp16_and_bf16_train_end_to_end_on_cpu(tmp_path):
+    for dtype in ("float16", "bfloat16"):
+        cfg = train_config(tmp_path / dtype, "Engine.mix_precision.enable=True", f"Engine.mix_precision.dtype={dtype}",
+                           steps=4)
+        r = _train(cfg)
+        assert torch.isfinite(torch.tensor(r.losses)).all()
+        assert r.metrics["precision"] == {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+        line = (tmp_path / dtype / "out" / "train.log").read_text()
+        assert ("loss_scale: 32768.000000000" in line) == (dtype == "float16")
+        st = torch.load(r.checkpoint_dir / ckpt.STATE_FILE, weights_only=True)
+        assert (st["precision"]["scaler"] is not None) == (dtype == "float16")
+
+
+def test_nonfinite_fp32_stops_and_keeps_last_checkpoint(tmp_path):
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=2", "Engine.eval_freq=-1", steps=6)
+    t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    _inject(t, 3, float("nan"))
+    with pytest.raises(NonFiniteLossError, match="step 3: gradient norm is nan .*last good checkpoint") as e:
+        t.train()
+    assert e.value.step == 3 and e.value.last_checkpoint == tmp_path / "out" / "step_2"
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "out")] == ["step_2"]
+
+    cfg = train_config(tmp_path / "skip", "Engine.on_nonfinite=skip", "Engine.eval_freq=-1", steps=4)
+    t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    _inject(t, 3, float("nan"))
+    r = t.train()
+    assert r.step == 4 and t.scheduler.samples == 3 * 4
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    rows = [json.loads(x) for x in (tmp_path / "skip" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["found_inf"] for x in rows if x["kind"] == "train"] == [0, 0, 1, 0]
+
+
+def test_pretrained_weights_then_transform_order(tmp_path):
+    from gptforge.model import build_model
+    from gptforge.model_io import save_model_dir
+
+    cfg = train_config(tmp_path, steps=2)
+    src = build_model(cfg.Model)
+    save_model_dir(src, cfg, tmp_path / "pre", tokenizer=small_tokenizer())
+    cfg.Compress.pretrained = str(tmp_path / "pre")
+    seen = {}
+
+    def transform(model):
+        seen["equal"] = state_equal(model.state_dict(), src.state_dict())
+        model.wpe.weight.requires_grad_(False)
+        return model
+
+    t = Trainer(cfg, tokenizer=small_tokenizer(), transform=transform, progress=False, echo=False)
+    assert seen["equal"]
+    assert all(p is not t.model.wpe.weight for p in t.params)
+    before = t.model.wpe.weight.clone()
+    t.train()
+    assert torch.equal(before, t.model.wpe.weight)
+
+
+def test_cli_pretrain_and_ckpt_continue(tmp_path, run_cli):
+    from gptforge.config import save_config
+
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=-1", steps=3)
+    save_config(cfg, tmp_path / "run.yaml")
+    code, out, err = run_cli("pretrain", "-c", tmp_path / "run.yaml", "-o", "Engine.max_steps=2", "--no-progress")
+    assert code == 0, err
+    assert "[train] epoch: [0/1], batch: [2/2], loss:" in out and "done at step 2" in out
+    # --ckpt without -c: config and tokenizer come from the checkpoint, -o still applies
+    code, out, err = run_cli("pretrain", "--ckpt", tmp_path / "out", "-o", "Engine.max_steps=3", "--no-progress")
+    assert code == 0, err
+    assert "at step 2" in out and "batch: [3/3]" in out
+    code, out, err = run_cli("pretrain", "--ckpt", tmp_path / "nope")
+    assert code == 2 and "not found" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("pretrain")
+    assert code == 2 and "-c FILE" in err
