@@ -1,0 +1,215 @@
+"""The `GPTForgeLM` class itself. Imports lm-eval at module level: import through
+`gptforge.evaluate.harness.lm_class()`, which gives a clear error when lm-eval is missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from gptforge.errors import DataError, UsageError
+from gptforge.evaluate.common import model_context, model_device, score_sequences
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until
+
+
+class GPTForgeLM(TemplateLM):
+    """A gptforge model (in memory, or loaded from `ckpt=DIR`) as an lm-eval language model.
+
+    `max_length` defaults to the model's context; `vocab_size` limits the softmax/argmax to the
+    first columns (default: all the model outputs, as HF does on an exported model).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, ckpt: str | None = None,
+                 batch_size: int | str = 8, max_length: int | None = None, vocab_size: int | None = None,
+                 amp_dtype: torch.dtype | None = None, device: str | None = None,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **_ignored: Any):
+        super().__init__()
+        if model is None:
+            if ckpt is None:
+                raise UsageError("GPTForgeLM: give model= and tokenizer=, or ckpt=DIR")
+            model, tokenizer = _load(ckpt, device)
+        elif tokenizer is None:
+            raise UsageError("GPTForgeLM: a model needs its tokenizer (tokenizer=...)")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self._batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self._max_length = int(max_length) if max_length else model_context(model)
+        self.vocab_size = vocab_size
+        self.amp_dtype = amp_dtype
+        self._max_gen_toks = int(max_gen_toks)
+        self._device = model_device(model)
+
+    # --------------------------------------------------------------- lm-eval's properties
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name", "gptforge")).replace("/", "__")
+
+    def get_model_info(self) -> dict:
+        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(next(self.model.parameters()).dtype), "model_class": type(self.model).__name__}
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(tokens)
+
+    # ------------------------------------------------------------------------ scoring
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(Σ log p(continuation), continuation is greedy) for (key, context ids, continuation ids)."""
+        L = self.max_length
+        seqs, first = [], []
+        for _, ctx, cont in requests:
+            if not cont:
+                raise DataError("lm-eval request with an empty continuation")
+            if len(cont) > L:
+                raise DataError(f"continuation of {len(cont)} tokens is longer than the model's window ({L})")
+            full = (list(ctx) + list(cont))[-(L + 1):]
+            seqs.append(full)
+            first.append(len(full) - 1 - len(cont))
+        scored = score_sequences(self.model, seqs, first, batch_size=self.batch_size, pad_id=self.eot_token_id,
+                                 vocab_size=self.vocab_size, amp_dtype=self.amp_dtype,
+                                 progress=not disable_tqdm, desc="loglikelihood")
+        out = []
+        for (key, _, _), s in zip(requests, scored, strict=True):
+            answer = (s.logprob, s.greedy)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole strings: max-length windows, each token scored once, the
+        first conditioned on EOS (lm-eval's rolling windows)."""
+        pairs, owner = [], []
+        for i, (string,) in enumerate(r.args for r in requests):
+            windows = get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=self.eot_token_id,
+                                                max_seq_len=self.max_length, context_len=1)
+            for ctx, cont in map(make_disjoint_window, windows):
+                pairs.append((None, ctx, cont))
+                owner.append(i)
+        scores = self._loglikelihood_tokens(pairs, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, scores, strict=True):
+            totals[i] += lp
+        for r, t in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, t)
+        return totals
+
+    # --------------------------------------------------------------------- generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or, with do_sample, temperature) continuation of each context, cut at the
+        first stop sequence (`until`, plus EOS), at most `max_gen_toks` tokens."""
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
+        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
+        eos_text = self.tok_decode([self.eot_token_id])
+        for idx in groups.values():
+            kw = dict(requests[idx[0]].args[1])
+            until = handle_stop_sequences(kw.pop("until", None), eos=eos_text)
+            max_new = int(kw.pop("max_gen_toks", self._max_gen_toks))
+            temperature = float(kw.pop("temperature", 0.0) or 0.0)
+            do_sample = bool(kw.pop("do_sample", False)) and temperature > 0
+            max_ctx = self.max_length - max_new
+            if max_ctx < 1:
+                raise UsageError(f"max_gen_toks={max_new} leaves no room for context in a "
+                                 f"{self.max_length}-token window")
+            order = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            for b in range(0, len(order), self.batch_size):
+                chunk = order[b:b + self.batch_size]
+                ctxs = [self.tok_encode(requests[i].args[0])[-max_ctx:] or [self.eot_token_id] for i in chunk]
+                for i, text in zip(chunk, self._generate(ctxs, max_new, until, temperature if do_sample else 0.0),
+                                   strict=True):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(chunk))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _generate(self, ctxs: list[list[int]], max_new: int, until: list[str], temperature: float) -> list[str]:
+        """Batched decoding over the model's KV cache, contexts left-padded."""
+        m, dev = self.model, self._device
+        if not all(hasattr(m, a) for a in ("hidden_states", "logits", "new_cache")):
+            raise UsageError("generate_until needs a model with hidden_states/logits/new_cache (a gptforge GPT)")
+        B, P = len(ctxs), max(len(c) for c in ctxs)
+        ids = torch.full((B, P), self.eot_token_id, dtype=torch.long)
+        mask = torch.zeros(B, P, dtype=torch.long)
+        for r, c in enumerate(ctxs):
+            ids[r, P - len(c):] = torch.tensor(c)
+            mask[r, P - len(c):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = m.new_cache(B, P + max_new)
+        h = m.hidden_states(ids, position_ids=pos, attention_mask=mask, cache=cache)[:, -1]
+        gen: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        next_pos = pos[:, -1] + 1
+        for step in range(max_new):
+            logits = m.logits(h).float()
+            if self.vocab_size is not None:
+                logits = logits[:, :self.vocab_size]
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            for r, t in enumerate(nxt.tolist()):
+                if not done[r]:
+                    gen[r].append(t)
+                    done[r] = t == self.eot_token_id or any(s in self.tok_decode(gen[r]) for s in until)
+            if all(done) or step == max_new - 1:
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            h = m.hidden_states(nxt[:, None], position_ids=next_pos[:, None], attention_mask=mask, cache=cache)[:, -1]
+            next_pos = next_pos + 1
+        texts = []
+        for g in gen:
+            s = self.tok_decode(g)
+            for stop in until:
+                if stop:
+                    s = s.split(stop)[0]
+            texts.append(s)
+        return texts
+
+
+def _load(ckpt: str, device: str | None):
+    from gptforge.commands.common import select_device
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model_io import load_model, resolve_checkpoint_path
+
+    path = resolve_checkpoint_path(ckpt)
+    model, cfg = load_model(path, device=select_device(device or "auto"))
+    return model, load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
+
+
+def build_lm_class(name: str) -> type:
+    """Register `GPTForgeLM` with lm-eval under `name` (once) and return it."""
+    from lm_eval.api.registry import get_model
+
+    try:
+        registered = get_model(name)
+    except Exception:  # noqa: BLE001 - lm-eval raises different errors for unknown names across versions
+        registered = None
+    if registered is not GPTForgeLM:
+        register_model(name)(GPTForgeLM)
+    return GPTForgeLM
