@@ -282,6 +282,16 @@ def test_build_datasets_from_config(tmp_path):
                                   ref_sample(ids, lens, doc_idx, sample_idx, shuffle_idx, 5)[:-1])
 
 
+def test_eval_defaults_to_the_train_corpus(tmp_path, monkeypatch):
+    write_corpus(tmp_path, 100, vocab=50000)
+    monkeypatch.chdir(tmp_path)  # no ./data/ here
+    cfg = tiny_config("Model.vocab_size=50304", f"Data.Train.dataset.input_dir={tmp_path}",
+                      "Data.Train.dataset.max_seq_len=16", "Data.Eval.dataset.max_seq_len=16", "Engine.max_steps=4",
+                      "Engine.eval_iters=1")
+    out = build_datasets(cfg)
+    assert out["Eval"].prefix == out["Train"].prefix == tmp_path / "corpus"
+
+
 def test_build_datasets_errors(tmp_path):
     prefix, _, _ = write_corpus(tmp_path, 200, vocab=50000)
     with pytest.raises(DataError, match="Eval split"):
@@ -321,3 +331,32 @@ def test_legacy_npz_is_read_with_warning(tmp_path, capsys):
     assert "legacy" in capsys.readouterr().err
     ds = GPTDataset(files, "Train", np.arange(25, dtype=np.int32), 8, 10, seed=0)
     assert ds[0]["tokens"].shape == (8,)
+
+
+def _dist_worker(rank, world, init_file, prefix, out_dir):
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ds = GPTDataset(load_token_files(prefix), "Train", np.arange(60, dtype=np.int32), 16, 200, seed=5)
+        np.save(os.path.join(out_dir, f"shuffle{rank}.npy"), np.asarray(ds.shuffle_idx))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_index_maps_under_torch_distributed(tmp_path):
+    import multiprocessing
+
+    prefix, _, lens = write_corpus(tmp_path, 60)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_dist_worker, args=(r, 2, tmp_path / "init", prefix, tmp_path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    want = ref_index_maps(lens, np.arange(60), 200, 16, 5)[2]
+    for r in range(2):
+        np.testing.assert_array_equal(np.load(tmp_path / f"shuffle{r}.npy"), want)

@@ -182,12 +182,33 @@ def default_num_samples(cfg: Config, mode: str) -> int:
 
 
 def resolve_prefix(input_dir: str, tokenizer: Tokenizer) -> Path:
-    """The token-file prefix for `input_dir` ('builtin' prepares the built-in corpus once)."""
-    if str(input_dir).strip().lower() == "builtin":
-        from gptforge.data.corpus import builtin_token_files
+    """The token-file prefix for `input_dir` ('builtin' prepares the built-in corpus once;
+    under torch.distributed local rank 0 prepares it while the others wait)."""
+    if str(input_dir).strip().lower() != "builtin":
+        return find_prefix(os.path.expanduser(str(input_dir)))
+    from gptforge.data.corpus import builtin_token_files
+    from gptforge.data.index_map import _dist_state
 
+    initialised, builder = _dist_state()
+    if not initialised:
         return builtin_token_files(tokenizer)
-    return find_prefix(os.path.expanduser(str(input_dir)))
+    import torch.distributed as dist
+
+    prefix = builtin_token_files(tokenizer) if builder else None
+    dist.barrier()
+    return prefix if prefix is not None else builtin_token_files(tokenizer)
+
+
+def _input_dir(cfg: Config, mode: str) -> str:
+    """`Data.<mode>.dataset.input_dir`; an Eval/Test split left at the default path that does
+    not exist reads the Train corpus (the reference's recipes always set both to the same)."""
+    from gptforge.config.schema import DatasetConfig
+
+    own = getattr(cfg.Data, mode).dataset.input_dir
+    train = cfg.Data.Train.dataset.input_dir
+    if mode != "Train" and own == DatasetConfig().input_dir and train != own and not os.path.exists(own):
+        return train
+    return own
 
 
 def check_vocab(files: TokenFiles, tokenizer: Tokenizer, model_vocab: int) -> None:
@@ -229,7 +250,7 @@ def build_datasets(cfg: Config, splits: tuple[str, ...] = ("Train", "Eval"),
         if mode not in MODES:
             raise DataError(f"unknown split {mode!r}; expected one of {', '.join(MODES)}")
         ds_cfg = getattr(cfg.Data, mode).dataset
-        prefix = resolve_prefix(ds_cfg.input_dir, tok)
+        prefix = resolve_prefix(_input_dir(cfg, mode), tok)
         if prefix not in opened:
             opened[prefix] = load_token_files(prefix)
             check_vocab(opened[prefix], tok, cfg.Model.vocab_size)
