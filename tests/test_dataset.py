@@ -360,3 +360,20 @@ def test_index_maps_under_torch_distributed(tmp_path):
     want = ref_index_maps(lens, np.arange(60), 200, 16, 5)[2]
     for r in range(2):
         np.testing.assert_array_equal(np.load(tmp_path / f"shuffle{r}.npy"), want)
+
+
+def test_vocab_checks_name_the_problem(tmp_path):
+    from gptforge.data.preprocess import preprocess_documents
+    from gptforge.data.tokenizer import train_tokenizer
+
+    small = train_tokenizer([f"words and more words {i}" for i in range(100)], 300, show_progress=False)
+    (tmp_path / "a").mkdir()
+    write_corpus(tmp_path / "a", 200, vocab=50000)
+    with pytest.raises(DataError, match="holds token id"):  # a fitting tokenizer, ids beyond the model
+        build_datasets(cfg_for(tmp_path / "a" / "corpus", "Model.vocab_size=4096"), tokenizer=small)
+    docs = [f"Document {i}: words and more words to fill a sample or two." for i in range(200)]
+    preprocess_documents(docs, tmp_path / "b" / "small", small, progress=False)
+    with pytest.raises(DataError, match="was tokenized with"):  # data from another tokenizer than the run's
+        build_datasets(cfg_for(tmp_path / "b" / "small"))
+    out = build_datasets(cfg_for(tmp_path / "b" / "small", "Model.vocab_size=384"), tokenizer=small)
+    assert int(out["Train"][0]["tokens"].max()) < 300

@@ -175,3 +175,17 @@ def test_builtin_dataset_cache_and_race(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "builtin").glob("*/builtin_idx.npz"))
     again = build_datasets(cfg)  # the second time comes from the cache
     np.testing.assert_array_equal(again["Train"][3]["tokens"], ds["Train"][3]["tokens"])
+
+
+def test_cli_builtin_and_tokenizer_train_builtin(run_cli, tmp_path, monkeypatch):
+    small = [f"Module {i} docstring: Return the value of the {i}th item, or raise KeyError." for i in range(200)]
+    monkeypatch.setattr(corpus, "builtin_documents", lambda parts=("prose", "code"): small)
+    code, out, err = run_cli("tokenizer", "train", "--builtin", "--vocab-size", "320", "--out", tmp_path / "tok",
+                             "--no-progress")
+    assert code == 0, err
+    code, out, err = run_cli("preprocess", "--builtin", "--tokenizer", tmp_path / "tok", "--output-prefix",
+                             tmp_path / "b", "--no-progress")
+    assert code == 0, err
+    files = load_token_files(tmp_path / "b")
+    assert files.n_docs == 200 and files.max_id() < 320
+    assert files.ids[files.lens[0] - 1] == 319  # --builtin appends EOS (the trained vocabulary's last id)
