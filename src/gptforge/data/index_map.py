@@ -179,10 +179,12 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
         raise
 
 
-def _info(documents: np.ndarray, seed: int, n_docs_total: int, tokens_per_epoch: int) -> dict:
-    return {"version": INFO_VERSION, "seed": int(seed), "n_docs_total": int(n_docs_total),
+def _info(documents: np.ndarray, seed: int, sizes: np.ndarray, tokens_per_epoch: int) -> dict:
+    """What the maps depend on besides the names: seed, split range and every document length."""
+    lens_hash = hashlib.sha1(np.ascontiguousarray(sizes, dtype=np.int64).tobytes()).hexdigest()[:16]
+    return {"version": INFO_VERSION, "seed": int(seed), "n_docs_total": int(len(sizes)),
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
-            "tokens_per_epoch": int(tokens_per_epoch)}
+            "tokens_per_epoch": int(tokens_per_epoch), "lens_sha1": lens_hash}
 
 
 def _load_cached(base: Path, want: dict, n_split_docs: int, seq_len: int, epochs: int) -> IndexMaps | None:
@@ -231,7 +233,7 @@ def load_or_build_index_maps(prefix: str | os.PathLike, mode: str, sizes: np.nda
     tokens_per_epoch = int(np.sum(np.asarray(sizes)[documents], dtype=np.int64))
     epochs = num_epochs_for(tokens_per_epoch, seq_len, num_samples)  # DataError before anyone waits
     base = map_dir(prefix) / map_basename(prefix, mode, num_samples, seq_len)
-    want = _info(documents, seed, len(sizes), tokens_per_epoch)
+    want = _info(documents, seed, np.asarray(sizes), tokens_per_epoch)
     initialised, builder = _dist_state()
 
     def build() -> IndexMaps:
