@@ -21,9 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gpt2 | a tokenizer directory or tokenizer.json | a model directory "
                         "(default: Data.tokenizer from -c/-o, else gpt2)")
     p.add_argument("--json-key", "--json_key", default="text", metavar="KEY", help="jsonl field holding the text")
-    p.add_argument("--append-eos", "--append_eos", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--append-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="end every document with <|endoftext|> (default: on with --builtin, off otherwise, "
                         "as the reference's flag)")
+    p.add_argument("--append_eos", dest="append_eos", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--min-doc-length", "--min_doc_length", type=int, default=10, metavar="N",
                    help="keep documents with more than N characters (default 10)")
     p.add_argument("--workers", type=int, metavar="N",
