@@ -1,16 +1,132 @@
-"""`gptforge generate`: Generate text from a model."""
+"""`gptforge generate`: generate text from a model (sampling, greedy or beam search).
+
+    gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [-o Generation.top_k=50]
+    gptforge generate -c configs/generation_gpt_345M_single_card.yaml --ckpt DIR --prompt-file F --json out.json
+
+A single sequence is printed token by token as it is generated; several prompts are decoded in
+left-padded batches and printed when done. `--json` also writes token ids and scores.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
 
-from gptforge.commands.common import add_config_args
-from gptforge.errors import UsageError
+from gptforge.commands.common import add_config_args, config_from_args, require_ckpt, select_device
+from gptforge.errors import DataError, UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print tokens as they are generated (default: on when one sequence is asked for)")
+    p.add_argument("--json", metavar="OUT", help="also write prompts, texts, token ids and scores to this JSON file")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts decoded together (default 8)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="drop the beginning of prompts too long for the context window (default: error)")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt and --prompt-file, in that order; empty ones are errors."""
+    prompts = list(args.prompt)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"--prompt number {i + 1} is empty; give some text")
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise DataError(f"{path}: prompt file not found")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                raise DataError(f"{path}:{n}: empty prompt line; remove blank lines (one prompt per line)")
+            prompts.append(line)
+    if not prompts:
+        raise UsageError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def _write_json(path: str, payload: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2, ensure_ascii=False)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _payload(cfg, results) -> dict:
+    import dataclasses
+
+    items = []
+    for res in results:
+        for i, prompt in enumerate(res.prompts):
+            items.append({"prompt": prompt, "prompt_tokens": res.prompt_tokens[i], "completions": [
+                {"text": t, "token_ids": ids, "score": s, "finish_reason": r}
+                for t, ids, s, r in zip(res.texts[i], res.token_ids[i], res.scores[i], res.finish_reasons[i],
+                                        strict=True)]})
+    return {"generation": dataclasses.asdict(cfg.Generation), "results": items,
+            "new_tokens": sum(r.new_tokens for r in results), "seconds": sum(r.seconds for r in results)}
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge generate` is not implemented yet")
+    from gptforge.commands.common import load_model_and_tokenizer
+    from gptforge.generate import check_config, generate, stream
+
+    require_ckpt(args)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    prompts = read_prompts(args)
+    cfg = config_from_args(args)
+    g = cfg.Generation
+    check_config(g)
+    one_sequence = g.decode_strategy != "beam_search" and g.num_return_sequences == 1
+    if args.stream and not one_sequence:
+        raise UsageError("--stream needs one sequence per prompt from greedy_search or sampling; "
+                         "drop --stream (beam search and num_return_sequences > 1 print when done)")
+    do_stream = args.stream if args.stream is not None else (one_sequence and len(prompts) == 1)
+    model, cfg, tok = load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+
+    results = []
+    if do_stream:
+        for prompt in prompts:
+            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt)
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+            for piece in s:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            results.append(s.result)
+    else:
+        res = generate(model, tok, prompts, g, truncate_prompt=args.truncate_prompt,
+                       batch_size=args.batch_size, progress=len(prompts) > args.batch_size)
+        results.append(res)
+        many = len(prompts) > 1 or g.num_return_sequences > 1
+        for i, prompt in enumerate(res.prompts):
+            for j, text in enumerate(res.texts[i]):
+                if many:
+                    print(f"### prompt {i + 1}/{len(prompts)}, sequence {j + 1}/{g.num_return_sequences}, "
+                          f"score {res.scores[i][j]:.4f}, {res.finish_reasons[i][j]}")
+                print(prompt + text)
+    new = sum(r.new_tokens for r in results)
+    secs = sum(r.seconds for r in results)
+    print(f"gptforge generate: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
+          f"({new / max(secs, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    if args.json:
+        _write_json(args.json, _payload(cfg, results))
+        print(f"gptforge generate: wrote {args.json}", file=sys.stderr)
+    return 0

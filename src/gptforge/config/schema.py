@@ -195,8 +195,9 @@ class GenerationConfig:
     early_stopping: bool = False
     use_topp_sampling: bool = False  # accepted (a CUDA op in the reference); same distribution as top_p
     inference: bool = False  # accepted, no effect
-    use_cache: bool = True
+    use_cache: bool = True  # False: recompute the whole sequence every step (slow; a reference path)
     early_finish: bool = True  # stop when every sequence has emitted EOS
+    fast_cpu_decode: bool = True  # CPU fp32: decode with oneDNN-packed weight copies (+1x weight memory)
     bos_token_id: int | None = None  # derived: tokenizer EOS
     eos_token_id: int | None = None
     pad_token_id: int | None = None

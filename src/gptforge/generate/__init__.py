@@ -1,0 +1,35 @@
+"""Text generation: sampling, greedy and beam search over a preallocated KV cache.
+
+- `generate(model, tokenizer, prompts, config)` → `GenerationResult` (texts, token ids, scores)
+- `stream(model, tokenizer, prompt, config)` → iterator of text deltas
+- `generate_ids(model, prompt_ids, config)` → `SearchOutput` on token ids
+- `processors`: composable logits processors; `backend.StepBackend`: the step interface the
+  decode loops run on (our GPT via `TorchBackend`, or an ONNX Runtime model).
+"""
+
+from gptforge.generate.api import (
+    GenerationResult,
+    TextStream,
+    check_config,
+    generate,
+    generate_ids,
+    stream,
+)
+from gptforge.generate.backend import StepBackend, TorchBackend
+from gptforge.generate.processors import (
+    NO_TOKEN,
+    MinNewTokens,
+    ProcessorList,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopP,
+    VocabLimit,
+)
+from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
+
+__all__ = [
+    "GenerationResult", "TextStream", "check_config", "generate", "generate_ids", "stream",
+    "StepBackend", "TorchBackend", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
+    "Temperature", "TopK", "TopP", "VocabLimit", "PromptBatch", "SearchOutput", "TokenDecoder", "left_pad",
+]

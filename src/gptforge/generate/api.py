@@ -1,0 +1,260 @@
+"""The generation API: check the config, tokenize and left-pad prompts, run a decode loop,
+decode the text; `stream` yields text as it is produced.
+
+    from gptforge.generate import generate, stream
+    res = generate(model, tokenizer, ["Hello", "The cat"], cfg.Generation)
+    res.texts[0][0], res.scores[0][0]
+    for piece in stream(model, tokenizer, "Once upon a time", cfg.Generation):
+        print(piece, end="", flush=True)
+
+`model` is our `GPT` (any device/dtype) or any `StepBackend` (see `backend.py`), so the same
+code drives an ONNX Runtime model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gptforge.config.schema import GenerationConfig
+from gptforge.errors import ConfigError, DataError
+from gptforge.generate.backend import as_backend
+from gptforge.generate.beam import beam_search
+from gptforge.generate.processors import LogitsProcessor, build_processors, build_warpers
+from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
+from gptforge.generate.streaming import IncrementalDecoder
+
+STRATEGIES = ("sampling", "greedy_search", "beam_search")
+
+
+def check_config(cfg: GenerationConfig) -> None:
+    """Raise `ConfigError` (naming the key, the value and the fix) for settings that cannot run."""
+    def bad(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"Generation.{key}: {msg}")
+
+    s = cfg.decode_strategy
+    if s not in STRATEGIES:
+        near = [x for x in STRATEGIES if x.startswith(str(s).lower()[:4])] or difflib.get_close_matches(
+            str(s), STRATEGIES, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise bad("decode_strategy", f"{s!r} is not one of {', '.join(STRATEGIES)}{hint}")
+    if cfg.max_dec_len < 1:
+        raise bad("max_dec_len", f"must be >= 1, got {cfg.max_dec_len}")
+    if cfg.min_dec_len < 0:
+        raise bad("min_dec_len", f"must be >= 0, got {cfg.min_dec_len}")
+    if cfg.top_k < 0:
+        raise bad("top_k", f"must be >= 0 (0 = off), got {cfg.top_k}")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise bad("top_p", f"must be in (0, 1] (1.0 = off), got {cfg.top_p}")
+    if s == "sampling" and cfg.temperature <= 0:
+        raise bad("temperature", f"must be > 0 with sampling, got {cfg.temperature}; "
+                  "use decode_strategy=greedy_search for deterministic output")
+    if cfg.repetition_penalty <= 0:
+        raise bad("repetition_penalty", f"must be > 0 (1.0 = off), got {cfg.repetition_penalty}")
+    if cfg.num_return_sequences < 1:
+        raise bad("num_return_sequences", f"must be >= 1, got {cfg.num_return_sequences}")
+    if cfg.num_beams < 1:
+        raise bad("num_beams", f"must be >= 1, got {cfg.num_beams}")
+    if s == "beam_search":
+        if cfg.num_beams < cfg.num_return_sequences:
+            raise bad("num_beams", f"{cfg.num_beams} < num_return_sequences {cfg.num_return_sequences}: "
+                      "beam search returns at most num_beams hypotheses; raise num_beams")
+        if cfg.num_beam_groups > 1 or cfg.diversity_rate != 0.0:
+            raise bad("num_beam_groups", "diverse (group) beam search is not supported; "
+                      "set num_beam_groups=1 and diversity_rate=0")
+    else:
+        if cfg.num_beams > 1:
+            raise bad("num_beams", f"{cfg.num_beams} needs decode_strategy=beam_search (it is {s!r})")
+        if s == "greedy_search" and cfg.num_return_sequences > 1:
+            raise bad("num_return_sequences", f"{cfg.num_return_sequences} with greedy_search would repeat "
+                      "one sequence; use sampling or beam_search")
+
+
+def special_ids(cfg: GenerationConfig, tokenizer_eos: int | None) -> tuple[list[int], int]:
+    """(EOS ids, pad id): the config's values, else the tokenizer's EOS for both."""
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer_eos
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos if eos is not None else 0)
+    return ([int(eos)] if eos is not None else []), int(pad)
+
+
+def fit_prompts(prompts: Sequence[Sequence[int]], max_new: int, max_positions: int, vocab_size: int,
+                truncate: bool = False) -> list[list[int]]:
+    """Check prompt ids against the context window (prompt + max_dec_len <= max positions) and
+    the vocabulary; with `truncate` keep the right end of prompts that are too long."""
+    room = max_positions - max_new
+    if room < 1:
+        raise ConfigError(f"Generation.max_dec_len: {max_new} leaves no room for a prompt in the model's "
+                          f"{max_positions} positions; lower it")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise DataError(f"prompt {i + 1} is empty (0 tokens); give some text")
+        if len(p) > room:
+            if not truncate:
+                raise DataError(
+                    f"prompt {i + 1} has {len(p)} tokens but the model has {max_positions} positions and "
+                    f"Generation.max_dec_len={max_new} leaves room for {room}; shorten the prompt, lower "
+                    "max_dec_len, or drop its beginning with --truncate-prompt (truncate_prompt=True)")
+            p = p[-room:]
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise DataError(f"prompt {i + 1}: token id {bad[0]} is outside the model's vocabulary of {vocab_size}; "
+                            "the tokenizer does not belong to this model")
+        out.append(p)
+    return out
+
+
+def _generator(cfg: GenerationConfig, device) -> torch.Generator | None:
+    if cfg.seed is None:
+        return None  # torch's global RNG (torch.manual_seed applies)
+    g = torch.Generator(device=device)
+    g.manual_seed(int(cfg.seed))
+    return g
+
+
+def _search(be, batch: PromptBatch, cfg: GenerationConfig, eos: list[int], pad: int,
+            vocab_limit: int | None, extra: Sequence[LogitsProcessor]):
+    """A `TokenDecoder` (greedy/sampling) or the finished beam-search output."""
+    procs = build_processors(cfg, batch.length, eos, vocab_limit, extra)
+    if cfg.decode_strategy == "beam_search":
+        return beam_search(be, batch, num_beams=cfg.num_beams, max_new_tokens=cfg.max_dec_len, processors=procs,
+                           eos_token_ids=eos, pad_token_id=pad, length_penalty=cfg.length_penalty,
+                           early_stopping=cfg.early_stopping, num_return_sequences=cfg.num_return_sequences)
+    greedy = cfg.decode_strategy == "greedy_search"
+    return TokenDecoder(be, batch, max_new_tokens=cfg.max_dec_len, greedy=greedy, processors=procs,
+                        warpers=None if greedy else build_warpers(cfg), generator=_generator(cfg, be.device),
+                        eos_token_ids=eos, pad_token_id=pad, num_return_sequences=cfg.num_return_sequences,
+                        early_finish=cfg.early_finish)
+
+
+def generate_ids(model, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
+                 eos_token_id: int | None = None, vocab_limit: int | None = None,
+                 processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False) -> SearchOutput:
+    """Generate from token-id prompts. `model`: our GPT or a `StepBackend`. `eos_token_id` is
+    the default for `Generation.eos_token_id`/`pad_token_id`; ids >= `vocab_limit` are never
+    generated. Returns `SearchOutput` rows ordered prompt-major (`num_return_sequences` each)."""
+    cfg = config or GenerationConfig()
+    check_config(cfg)
+    eos, pad = special_ids(cfg, eos_token_id)
+    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+        ids = fit_prompts(prompt_ids, cfg.max_dec_len, be.max_positions, be.vocab_size, truncate_prompt)
+        out = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, vocab_limit, processors)
+        return out if isinstance(out, SearchOutput) else out.run()
+
+
+@dataclass
+class GenerationResult:
+    """Per prompt, `num_return_sequences` continuations (the prompt itself is not repeated)."""
+
+    prompts: list[str]
+    texts: list[list[str]]
+    token_ids: list[list[list[int]]]  # generated ids, without the final EOS
+    scores: list[list[float]]  # mean log-prob per token (greedy/sampling) or the beam score
+    finish_reasons: list[list[str]]  # "eos" | "length"
+    seconds: float = 0.0
+    new_tokens: int = 0  # tokens generated in total (EOS included)
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+def _prepare(model, tokenizer, prompts, config, device, truncate):
+    cfg = config or GenerationConfig()
+    check_config(cfg)
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not texts:
+        raise DataError("no prompts given")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str) or not t:
+            raise DataError(f"prompt {i + 1} is empty; give some text")
+    if device is not None and isinstance(model, torch.nn.Module):
+        model.to(device)
+    eos, pad = special_ids(cfg, tokenizer.eos_token_id)
+    vocab = getattr(model, "vocab_size", None) or model.wte.weight.shape[0]
+    limit = tokenizer.vocab_size if tokenizer.vocab_size < vocab else None
+    max_pos = model.config.max_position_embeddings if isinstance(model, torch.nn.Module) else model.max_positions
+    ids = fit_prompts(tokenizer.encode_batch(texts), cfg.max_dec_len, max_pos, vocab, truncate)
+    return cfg, texts, ids, eos, pad, limit
+
+
+def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationConfig | None = None,
+             device=None, *, processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
+             batch_size: int | None = None, progress: bool = False) -> GenerationResult:
+    """Generate continuations of text prompts (batched, left-padded). `device` moves the model
+    there first; `batch_size` splits many prompts into batches (default: one batch), with a
+    progress bar on stderr if `progress`."""
+    cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompts, config, device, truncate_prompt)
+    res = GenerationResult(texts, [], [], [], [], prompt_tokens=[len(p) for p in ids])
+    n = cfg.num_return_sequences
+    bs = batch_size or len(ids)
+    t0 = time.perf_counter()
+    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+        starts = range(0, len(ids), bs)
+        if progress:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc="generate", unit="batch", file=sys.stderr)
+        for start in starts:
+            chunk = ids[start: start + bs]
+            out = _search(be, left_pad(chunk, pad, be.device), cfg, eos, pad, limit, processors)
+            out = out if isinstance(out, SearchOutput) else out.run()
+            seqs = out.sequences()
+            res.new_tokens += int(out.lengths.sum())
+            for i in range(len(chunk)):
+                rows = range(i * n, (i + 1) * n)
+                res.token_ids.append([seqs[r] for r in rows])
+                res.texts.append([tokenizer.decode(seqs[r]) for r in rows])
+                res.scores.append([float(out.scores[r]) for r in rows])
+                res.finish_reasons.append(["eos" if out.finished[r] else "length" for r in rows])
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+class TextStream:
+    """Iterate to receive text deltas (complete characters only) of one continuation as it is
+    generated; after the loop `result` holds the `GenerationResult`."""
+
+    def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors):
+        self._args = (model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors = self._args
+        t0 = time.perf_counter()
+        with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+            dec = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, limit, processors)
+            text = IncrementalDecoder(tokenizer)
+            for nxt in dec:
+                tok = int(nxt[0])
+                if tok in eos:
+                    break
+                piece = text.push(tok)
+                if piece:
+                    yield piece
+            rest = text.flush()
+            if rest:
+                yield rest
+            out = dec.output()
+        seq = out.sequences()[0]
+        self.result = GenerationResult(
+            [prompt], [[tokenizer.decode(seq)]], [[seq]], [[float(out.scores[0])]],
+            [["eos" if out.finished[0] else "length"]], time.perf_counter() - t0,
+            int(out.lengths.sum()), [len(ids[0])])
+
+
+def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None, device=None, *,
+           processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False) -> TextStream:
+    """Text deltas of one continuation as they are generated (greedy or sampling, one sequence).
+    The config and prompt are checked now; generation runs while you iterate."""
+    cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompt, config, device, truncate_prompt)
+    if len(texts) != 1:
+        raise DataError(f"stream takes one prompt, got {len(texts)}; use generate() for a batch")
+    if cfg.decode_strategy == "beam_search" or cfg.num_return_sequences != 1:
+        raise ConfigError("Generation.decode_strategy: streaming needs one sequence from greedy_search or "
+                          "sampling (beam search only knows its best sequence at the end); use generate()")
+    return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors)
