@@ -74,7 +74,7 @@ def test_custom_vocab_uses_hf_and_small_dtype(tmp_path):
     ("", "txt", "empty input"),
     ("a\n\nb\n\nshort\n", "txt", "no documents left after filtering"),
     ('{"text": "fine document here"}\n{"body": "x"}\n', "jsonl", r"b\.jsonl:2: no key 'text'"),
-    ('{"text": 12}\n', "jsonl", "is a int, expected a string"),
+    ('{"text": 12}\n', "jsonl", "not a string"),
     ('{"text": "ok"\n', "jsonl", "invalid JSON"),
     ("[1, 2]\n", "jsonl", "expected a JSON object"),
 ])
@@ -96,6 +96,15 @@ def test_invalid_utf8_replaced_or_rejected(tmp_path, run_cli):
     code, out, err = run_cli("preprocess", "--input", src, "--output-prefix", tmp_path / "s", "--strict", "--no-progress")
     assert code == 2 and "invalid UTF-8" in err and "bad.txt" in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.glob("s_*")) and not list(tmp_path.glob(".s*"))
+
+
+def test_lone_surrogate_escapes(tmp_path):
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"text": "broken \\ud800 escape in a long enough text"}\n')
+    st = preprocess_files([src], tmp_path / "r", gpt2_tokenizer(), progress=False)
+    assert st.invalid_utf8_replaced == 1 and st.documents == 1
+    with pytest.raises(DataError, match="lone surrogate"):
+        preprocess_files([src], tmp_path / "q", gpt2_tokenizer(), strict=True, progress=False)
 
 
 def test_worker_error_cleans_up(tmp_path):

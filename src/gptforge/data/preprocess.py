@@ -65,6 +65,20 @@ def _decode(raw: bytes, strict: bool, where: str) -> str:
         return raw.decode("utf-8", errors="gptforge.count")
 
 
+def _no_lone_surrogates(text: str, strict: bool, where: str) -> str:
+    """JSON escapes like "\\ud800" decode to text no UTF-8 tokenizer accepts: replace (and count)."""
+    global _bad_utf8
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        if strict:
+            raise DataError(f"{where}: a lone surrogate escape ({e.object[e.start:e.end]!r}) is not valid "
+                            "Unicode text; fix the line or drop --strict to replace it") from None
+        _bad_utf8 += sum(1 for ch in text if "\ud800" <= ch <= "\udfff")
+        return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
 # ------------------------------------------------------------------------------ workers
 
 _ENCODE = None
@@ -122,8 +136,9 @@ def _documents(chunk: Chunk, opt: Options) -> tuple[list[str], int]:
                 raise DataError(f"{where}: no key {opt.json_key!r} (keys: {keys}); choose one with --json-key")
             value = obj[opt.json_key]
             if not isinstance(value, str):
-                raise DataError(f"{where}: {opt.json_key!r} is a {type(value).__name__}, expected a string")
-            texts.append(value)
+                raise DataError(f"{where}: the value of {opt.json_key!r} is not a string "
+                                f"(got {type(value).__name__}); fix the line or choose another --json-key")
+            texts.append(value if value.isascii() else _no_lone_surrogates(value, opt.strict, where))
     elif chunk.kind == "text":
         texts = [_decode(doc, opt.strict, f"{chunk.where}: document at line {line}")
                  for line, doc in chunk.items]
