@@ -88,6 +88,20 @@ def test_bad_input_leaves_nothing(tmp_path, content, kind, match):
     assert outputs(out) == []
 
 
+def test_output_prefix_problems(tmp_path):
+    (tmp_path / "a.txt").write_text(RAW)
+    with pytest.raises(DataError, match="is a directory"):
+        preprocess_files([tmp_path / "a.txt"], tmp_path, gpt2_tokenizer(), progress=False)
+    with pytest.raises(DataError, match="no documents"):  # a failed run removes the directories it made
+        preprocess_files([tmp_path / "a.txt"], tmp_path / "new" / "deeper" / "p", gpt2_tokenizer(),
+                         min_doc_length=10_000, progress=False)
+    assert not (tmp_path / "new").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DataError, match="cannot create"):
+        preprocess_files([tmp_path / "a.txt"], blocker / "p", gpt2_tokenizer(), progress=False)
+
+
 def test_invalid_utf8_replaced_or_rejected(tmp_path, run_cli):
     src = tmp_path / "bad.txt"
     src.write_bytes(b"Good text here, long enough.\n\nBroken \xff\xfe bytes in this one.\n")
@@ -112,7 +126,7 @@ def test_worker_error_cleans_up(tmp_path):
     (tmp_path / "a.jsonl").write_text(good + '{"other": 1}\n')  # error in a late chunk, inside a worker
     with pytest.raises(DataError, match="no key 'text'"):
         preprocess_files([tmp_path / "a.jsonl"], tmp_path / "o" / "p", gpt2_tokenizer(), workers=2, progress=False)
-    assert outputs(tmp_path / "o") == []
+    assert not (tmp_path / "o").exists()
 
 
 def test_rewrite_replaces_outputs_and_stale_index_maps(tmp_path):

@@ -313,7 +313,16 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
     from tqdm import tqdm
 
     dtype = ids_dtype(tokenizer.vocab_size)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    created = []  # directories this run makes, deepest first, removed again on failure
+    d = prefix.parent.absolute()
+    while not d.exists():
+        created.append(d)
+        d = d.parent
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{prefix.parent}: cannot create the output directory ({e.strerror or e})") from None
+    done = False
     stats = PreprocessStats(output_prefix=str(prefix), workers=workers, files=sources)
     lens_parts: list[np.ndarray] = []
     max_id = -1
@@ -402,7 +411,10 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
             os.chmod(tmp, 0o644)
             os.replace(tmp, str(prefix) + suffix)
             temps.remove(tmp)
+        done = True
         return stats
+    except OSError as e:  # disk full, permissions: one line, nothing left behind (below)
+        raise DataError(f"{prefix}: cannot write the output ({e.strerror or e})") from None
     finally:
         bar.close()
         if executor is not None:
@@ -410,6 +422,18 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         for name in temps:
             with contextlib.suppress(OSError):
                 os.unlink(name)
+        if not done:
+            for d in created:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+
+
+def _output_prefix(output_prefix: str | os.PathLike) -> Path:
+    text = strip_suffix(os.fspath(output_prefix))
+    if not text or text.endswith(("/", os.sep)) or Path(text).is_dir():
+        raise DataError(f"--output-prefix {text!r}: is a directory; give a file-name prefix such as "
+                        f"{os.path.join(text.rstrip('/') or '.', 'NAME')}")
+    return Path(text)
 
 
 def default_workers(total_bytes: int | None) -> int:
@@ -434,7 +458,7 @@ def preprocess_files(inputs: Iterable[str | os.PathLike], output_prefix: str | o
 
     opt = Options(json_key, append_eos, tokenizer.eos_token_id, min_doc_length, strict)
     n = workers if workers is not None else default_workers(None if compressed else total)
-    return _run(chunks(), Path(strip_suffix(os.fspath(output_prefix))), tokenizer, opt, n,
+    return _run(chunks(), _output_prefix(output_prefix), tokenizer, opt, n,
                 None if compressed else total, progress, [str(f) for f in files])
 
 
@@ -446,7 +470,7 @@ def preprocess_documents(docs: Iterable[str], output_prefix: str | os.PathLike, 
     total = sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
     opt = Options("text", append_eos, tokenizer.eos_token_id, min_doc_length, False)
     n = workers if workers is not None else default_workers(total)
-    return _run(_doc_chunks(docs, source), Path(strip_suffix(os.fspath(output_prefix))), tokenizer, opt, n,
+    return _run(_doc_chunks(docs, source), _output_prefix(output_prefix), tokenizer, opt, n,
                 total, progress, [source])
 
 
