@@ -117,11 +117,12 @@ def write_corpus(tmp_path, n_docs, seed=0, name="corpus", lo=1, hi=60, vocab=100
 # ---------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("n_docs,seq_len,epochs_wanted,frac", [
-    (7, 16, 1, 0.5), (50, 32, 1, 1.0), (50, 32, 2, 0.5), (50, 32, 2, 0.95), (200, 64, 3, 0.3),
-    (200, 64, 3, 0.9), (1000, 128, 2, 0.79), (1000, 128, 2, 0.81), (3, 8, 3, 1.0),
+@pytest.mark.parametrize("n_docs,seq_len,epochs_wanted,frac,separate_wanted", [
+    (7, 16, 1, 0.5, False), (50, 32, 1, 1.0, False), (50, 32, 2, 0.5, True), (50, 32, 2, 0.95, False),
+    (200, 64, 3, 0.3, True), (200, 64, 3, 0.9, False), (1000, 128, 2, 0.79, True), (1000, 128, 2, 0.81, False),
+    (3, 8, 3, 1.0, False),
 ])
-def test_index_maps_equal_megatron(n_docs, seq_len, epochs_wanted, frac):
+def test_index_maps_equal_megatron(n_docs, seq_len, epochs_wanted, frac, separate_wanted):
     rng = np.random.RandomState(n_docs)
     sizes = rng.randint(0, 90, size=n_docs + 5).astype(np.int32)  # includes empty documents
     documents = np.arange(2, n_docs + 2, dtype=np.int32)
@@ -130,6 +131,7 @@ def test_index_maps_equal_megatron(n_docs, seq_len, epochs_wanted, frac):
     base = ((epochs_wanted - 1) * tpe - 1) // seq_len if epochs_wanted > 1 else 0
     num_samples = max(1, base + int(frac * per_epoch))
     doc_idx, sample_idx, shuffle_idx, epochs, separate = ref_index_maps(sizes, documents, num_samples, seq_len, 1234)
+    assert (epochs, separate) == (epochs_wanted, separate_wanted)  # the case is the one named
     maps = compute_index_maps(sizes, documents, seq_len, num_samples, 1234)
     assert maps.num_epochs == epochs
     np.testing.assert_array_equal(maps.doc_idx, doc_idx)
