@@ -167,11 +167,15 @@ def _paths(base: Path) -> dict[str, Path]:
     return {k: base.with_name(f"{base.name}_{k}_idx.npy") for k in ("doc", "sample", "shuffle")}
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
+def _save_atomic(path: Path, array: np.ndarray | dict) -> None:
+    """An .npy array (or a JSON dict) written under a temporary name and renamed."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+            if isinstance(array, dict):
+                f.write(json.dumps(array).encode())
+            else:
+                np.save(f, array, allow_pickle=False)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -248,11 +252,7 @@ def load_or_build_index_maps(prefix: str | os.PathLike, mode: str, sizes: np.nda
             base.parent.mkdir(parents=True, exist_ok=True)
             for key, arr in (("doc", maps.doc_idx), ("sample", maps.sample_idx), ("shuffle", maps.shuffle_idx)):
                 _save_atomic(_paths(base)[key], arr)
-            info = base.with_name(base.name + "_info.json")
-            fd, tmp = tempfile.mkstemp(prefix=f".{info.name}.", dir=info.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(want, f)
-            os.replace(tmp, info)
+            _save_atomic(base.with_name(base.name + "_info.json"), want)  # last: marks the set complete
         except OSError as e:  # an unwritable cache only costs a rebuild next time
             print(f"gptforge: could not cache index maps in {base.parent} ({e})", file=sys.stderr)
         if verbose:
