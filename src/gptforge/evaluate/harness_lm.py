@@ -116,8 +116,8 @@ class GPTForgeLM(TemplateLM):
 
     # --------------------------------------------------------------------- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or, with do_sample, temperature) continuation of each context, cut at the
-        first stop sequence (`until`, plus EOS), at most `max_gen_toks` tokens."""
+        """Greedy (or, with do_sample, temperature-sampled) continuation of each context, cut at
+        the first stop sequence (`until`, plus EOS), at most `max_gen_toks` tokens."""
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
@@ -146,49 +146,42 @@ class GPTForgeLM(TemplateLM):
         bar.close()
         return out  # type: ignore[return-value]
 
-    @torch.inference_mode()
     def _generate(self, ctxs: list[list[int]], max_new: int, until: list[str], temperature: float) -> list[str]:
-        """Batched decoding over the model's KV cache, contexts left-padded."""
-        m, dev = self.model, self._device
-        if not all(hasattr(m, a) for a in ("hidden_states", "logits", "new_cache")):
-            raise UsageError("generate_until needs a model with hidden_states/logits/new_cache (a gptforge GPT)")
-        B, P = len(ctxs), max(len(c) for c in ctxs)
-        ids = torch.full((B, P), self.eot_token_id, dtype=torch.long)
-        mask = torch.zeros(B, P, dtype=torch.long)
-        for r, c in enumerate(ctxs):
-            ids[r, P - len(c):] = torch.tensor(c)
-            mask[r, P - len(c):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = m.new_cache(B, P + max_new)
-        h = m.hidden_states(ids, position_ids=pos, attention_mask=mask, cache=cache)[:, -1]
-        gen: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        next_pos = pos[:, -1] + 1
-        for step in range(max_new):
-            logits = m.logits(h).float()
-            if self.vocab_size is not None:
-                logits = logits[:, :self.vocab_size]
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0]
-            else:
-                nxt = logits.argmax(-1)
-            for r, t in enumerate(nxt.tolist()):
-                if not done[r]:
-                    gen[r].append(t)
-                    done[r] = t == self.eot_token_id or any(s in self.tok_decode(gen[r]) for s in until)
-            if all(done) or step == max_new - 1:
-                break
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
-            h = m.hidden_states(nxt[:, None], position_ids=next_pos[:, None], attention_mask=mask, cache=cache)[:, -1]
-            next_pos = next_pos + 1
+        """Batched decoding with `gptforge.generate` (left padding, KV cache), stopping each row
+        at EOS or at the first stop sequence in its text."""
+        from gptforge.generate import (
+            ProcessorList,
+            Temperature,
+            TokenDecoder,
+            TorchBackend,
+            VocabLimit,
+            left_pad,
+        )
+
+        eos = self.eot_token_id
+        procs = ProcessorList([VocabLimit(self.vocab_size)] if self.vocab_size is not None else [])
+        warpers = ProcessorList([Temperature(temperature)]) if temperature > 0 else None
+        gen: list[list[int]] = [[] for _ in ctxs]
+        done = [False] * len(ctxs)
+        with TorchBackend(self.model) as be:
+            dec = TokenDecoder(be, left_pad(ctxs, eos, be.device), max_new_tokens=max_new, greedy=temperature <= 0,
+                               processors=procs, warpers=warpers, eos_token_ids=[eos], pad_token_id=eos)
+            for nxt in dec:
+                for r, t in enumerate(nxt.tolist()):
+                    if not done[r]:
+                        done[r] = t == eos
+                        if not done[r]:
+                            gen[r].append(t)
+                            done[r] = any(stop in self.tok_decode(gen[r]) for stop in until)
+                if all(done):
+                    break
         texts = []
         for g in gen:
-            s = self.tok_decode(g)
+            text = self.tok_decode(g)
             for stop in until:
                 if stop:
-                    s = s.split(stop)[0]
-            texts.append(s)
+                    text = text.split(stop)[0]
+            texts.append(text)
         return texts
 
 
