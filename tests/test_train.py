@@ -120,6 +120,40 @@ def test_scheduler_state_round_trip():
     assert s2.samples == 16 and opt.param_groups[0]["lr"] == pytest.approx(reference_lr(16, 1.0, 0.1, 100, 10))
 
 
+# ------------------------------------------------------------------------------------ loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_lm_loss_equals_torch_cross_entropy(dtype):
+    """model.gpt.lm_loss (gradient formed in the forward) == F.cross_entropy, value and gradient."""
+    import torch.nn.functional as F
+
+    from gptforge.model.gpt import lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 301, generator=g) * 4).to(dtype)
+    logits[0, 2, 5] = -1e4  # this row's target probability underflows: the exact path
+    labels = torch.randint(0, 301, (3, 7), generator=g)
+    labels[0, 2] = 5
+    labels[1, 3] = -100
+    mask = torch.ones(3, 7)
+    mask[2, 4:] = 0
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    ours = lm_loss(a, labels, mask)
+    ce = F.cross_entropy(b.float().reshape(-1, 301), labels.reshape(-1), ignore_index=-100, reduction="none")
+    keep = mask.reshape(-1) * (labels.reshape(-1) != -100)
+    ref = (ce * keep).sum() / keep.sum()
+    assert torch.isfinite(ours) and torch.allclose(ours, ref, rtol=1e-6)
+    (ours * 3).backward()
+    (ref * 3).backward()
+    assert a.grad.dtype == dtype
+    tol = 1e-7 if dtype == torch.float32 else 1e-4
+    assert torch.allclose(a.grad.float(), b.grad.float(), atol=tol, rtol=1e-3)
+    with torch.no_grad():
+        assert torch.allclose(lm_loss(logits, labels, mask), ref, rtol=1e-6)
+
+
 # -------------------------------------------------------------------------------- clipping
 
 
