@@ -280,6 +280,13 @@ def test_bad_windows(setup, tmp_path):
         evaluate_lambada(model, tok, tmp_path / "t.jsonl", seq_len=8)
 
 
+def test_tokenizer_model_mismatch(setup):
+    _, tok, _, _, path, _ = setup
+    small, _ = tiny_model()  # vocabulary of 4096: GPT-2 ids do not fit
+    with pytest.raises(ConfigError, match="the tokenizer does not belong to this model"):
+        evaluate_lambada(small, tok, path)
+
+
 # --------------------------------------------------------------------------------- CLI
 
 

@@ -62,6 +62,18 @@ def check_window(model: torch.nn.Module, seq_len: int, key: str = "Offline_Eval.
     return seq_len
 
 
+def check_token_ids(model: torch.nn.Module, seqs: list[list[int]], path) -> None:
+    """ConfigError when the tokenizer produces ids the model has no embedding for."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "vocab_size", None)
+    if n is None and hasattr(model, "wte"):
+        n = model.wte.num_embeddings
+    top = max((max(s) for s in seqs if s), default=-1)
+    if n is not None and top >= n:
+        raise ConfigError(f"{path}: the tokenizer produced token id {top} but the model's vocabulary has "
+                          f"{n} entries; the tokenizer does not belong to this model (set Data.tokenizer)")
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

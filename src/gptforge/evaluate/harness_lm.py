@@ -13,7 +13,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from gptforge.errors import DataError, UsageError
-from gptforge.evaluate.common import model_context, model_device, score_sequences
+from gptforge.evaluate.common import check_token_ids, model_context, model_device, score_sequences
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until
 
@@ -85,6 +85,7 @@ class GPTForgeLM(TemplateLM):
             full = (list(ctx) + list(cont))[-(L + 1):]
             seqs.append(full)
             first.append(len(full) - 1 - len(cont))
+        check_token_ids(self.model, seqs, "lm-eval request")
         scored = score_sequences(self.model, seqs, first, batch_size=self.batch_size, pad_id=self.eot_token_id,
                                  vocab_size=self.vocab_size, amp_dtype=self.amp_dtype,
                                  progress=not disable_tqdm, desc="loglikelihood")

@@ -25,6 +25,7 @@ import torch
 from gptforge.errors import DataError
 from gptforge.evaluate.common import (
     batch_sums,
+    check_token_ids,
     check_window,
     model_context,
     read_text,
@@ -106,6 +107,7 @@ def evaluate_lambada(model: torch.nn.Module, tokenizer, path: str | Path, batch_
             full = full[-(L + 1):]
         seqs.append(full)
         first.append(len(full) - 1 - len(t))
+    check_token_ids(model, seqs, path)
     scored = score_sequences(model, seqs, first, batch_size=batch_size, pad_id=eos, vocab_size=vocab_size,
                              amp_dtype=amp_dtype, progress=progress, desc="LAMBADA")
     n = len(examples)

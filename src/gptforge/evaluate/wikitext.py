@@ -19,6 +19,7 @@ import torch
 from gptforge.errors import ConfigError, DataError
 from gptforge.evaluate.common import (
     batch_sums,
+    check_token_ids,
     check_window,
     read_text,
     reference_aggregate,
@@ -95,6 +96,7 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
     N = len(tokens)
     if N < 2:
         raise DataError(f"{path}: {N} token(s) after tokenization; nothing to score")
+    check_token_ids(model, [tokens], path)
     plan = window_plan(N, L, s)
     seqs, first, used = [], [], []
     for w, (start, f) in enumerate(plan):
