@@ -180,3 +180,21 @@ def test_pruning_a_fake_quant_model_is_refused():
 
     with pytest.raises(Exception, match="prune before quantizing"):
         narrow_linear(Wrapped(4, 4), out_index=torch.tensor([0]))
+
+
+@pytest.mark.slow
+def test_345M_real_weights_l1_end_to_end(tmp_path):
+    """The reference recipe on real (random-init) 345M weights: l1_norm scores, surgery, save, load."""
+    from gptforge.model_io import load_model, save_model_dir
+
+    cfg = tiny_config("Model.preset=345M", preset="345M")
+    model = build_model(cfg.Model)
+    report = prune_model(model, _prune_cfg(criterion="l1_norm", ratio=0.125))
+    assert report.plan.layer_heads == [14] * 24 and report.plan.layer_ffn == [3584] * 24
+    assert (report.params_before, report.params_after) == (354_871_296, 317_101_056)
+    record_shape(cfg.Model, model)
+    save_model_dir(model, cfg, tmp_path / "m")
+    loaded, lcfg = load_model(tmp_path / "m")
+    assert loaded.num_parameters() == 317_101_056 and lcfg.Model.num_attention_heads == 14
+    x = torch.randint(0, 50304, (1, 16))
+    torch.testing.assert_close(loaded(x).logits, model.eval()(x).logits, rtol=0, atol=0)
