@@ -226,17 +226,20 @@ def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tens
 
 
 def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
-    """Rebuild structure the checkpoint was saved with (currently: fake-quant modules)."""
+    """Rebuild structure the checkpoint was saved with (fake-quant modules; INT8 modules of a
+    converted model)."""
     quant = ((ckpt_raw.get("Compress") or {}).get("Quantization") or {})
     if quant.get("enable"):
         from gptforge.config.loader import _build
         from gptforge.config.schema import QuantizationConfig
 
         try:
+            from gptforge.compress.int8 import int8_structure
             from gptforge.compress.quant import quantize_model
         except ImportError as e:  # pragma: no cover - part of the package
             raise CheckpointError(f"checkpoint was saved with quantization but it is unavailable ({e})") from None
-        quantize_model(model, _build(QuantizationConfig, quant, "Compress.Quantization"))
+        qcfg = _build(QuantizationConfig, quant, "Compress.Quantization")
+        (int8_structure if qcfg.converted else quantize_model)(model, qcfg)
 
 
 def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | None = None,
@@ -256,11 +259,15 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     shape = checkpoint_model_config(p, fallback=cfg.Model)
     model_cfg = dataclasses.replace(cfg.Model, **{k: getattr(shape, k) for k in ARCH_KEYS})
     model = build_model(model_cfg, device="meta")
-    ck_raw = read_checkpoint_config(p) if with_structure else {}
+    ck_raw = read_checkpoint_config(p) if with_structure or fmt == OURS else {}
     if with_structure:
         _apply_recorded_structure(model, ck_raw)
     sd = _checkpoint_state_dict(p, fmt, model_cfg)
     if not with_structure:
+        if ((ck_raw.get("Compress") or {}).get("Quantization") or {}).get("converted"):
+            from gptforge.compress.int8 import dequantize_state_dict
+
+            sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
         names = set(model.state_dict())
         sd = {k: v for k, v in sd.items() if k in names}
     load_state_dict_checked(model, sd, str(p))

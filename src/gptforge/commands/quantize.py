@@ -1,4 +1,12 @@
-"""`gptforge quantize`: Convert a QAT/PTQ model into a real INT8 model."""
+"""`gptforge quantize`: turn a QAT/PTQ model into a real INT8 model, or show its quantization.
+
+    gptforge quantize --ckpt runs/qat/step_400 --out runs/int8 --convert
+    gptforge quantize --ckpt runs/int8                      # per-layer table of a quantized model
+    gptforge generate --ckpt runs/int8 ...; gptforge eval --ckpt runs/int8 ...
+
+`--convert` writes int8 weights + fp32 steps (safetensors) and checks the INT8 model against the
+fake-quant one on a batch (SQNR of the logits, greedy-argmax agreement: int8_report.json).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,54 @@ from gptforge.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    p.description = ("Convert a fake-quant (QAT or PTQ) model into a real INT8 model that runs fbgemm's int8 "
+                     "kernels on x86 CPUs, or print a quantized model's per-layer quantization.")
+    add_config_args(p, ckpt_help="the QAT/PTQ model directory (a training step_N works)")
+    p.add_argument("--convert", action="store_true", help="write the real INT8 model to --out")
+    p.add_argument("--out", metavar="DIR", help="output directory for --convert")
+    p.add_argument("--float-embedding", action="store_true",
+                   help="keep the tied word embedding / LM head float (default: int8 per row when the model did "
+                        "not quantize it already)")
+    p.add_argument("--no-check", action="store_true", help="skip the logits check against the fake-quant model")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge quantize` is not implemented yet")
+    from gptforge.commands.common import config_from_args, ensure_out_dir, require_ckpt
+
+    require_ckpt(args)
+    cfg = config_from_args(args)
+    if not args.convert:
+        if args.out or args.float_embedding or args.no_check:
+            raise UsageError("--out/--float-embedding/--no-check apply with --convert")
+        return _show(args, cfg)
+    if not args.out:
+        raise UsageError("give the output directory with --out DIR")
+    ensure_out_dir(args.out, args.force)
+    from gptforge.compress.int8_convert import convert_checkpoint
+
+    r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=not args.float_embedding,
+                           overwrite=args.force, check=not args.no_check)
+    check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "
+             f"{100 * r.argmax_agreement:.2f}%" if r.tokens else "")
+    print(f"gptforge quantize: {r.int8_layers} INT8 layers{' + int8 embedding' if r.int8_embedding else ''}, "
+          f"{r.int8_bytes / 2**20:.1f} MiB (fake-quant model {r.fake_quant_bytes / 2**20:.1f} MiB){check} -> {r.out_dir}")
+    return 0
+
+
+def _show(args, cfg) -> int:
+    from gptforge.compress.int8_convert import summary
+    from gptforge.model_io import load_model
+
+    model, cfg = load_model(args.ckpt, cfg)
+    rows = summary(model)
+    if not rows:
+        print(f"{args.ckpt}: no quantized layers (Compress.Quantization.enable is false)")
+        return 0
+    print(f"{'layer':28} {'reference':16} {'kind':10} {'weight':14} {'activation':32} {'act_scale':>10} {'pact':>8}")
+    for r in rows:
+        scale = f"{r['act_scale']:.4g}" if r["act_scale"] is not None else "-"
+        pact = f"{r['pact_alpha']:.4g}" if r["pact_alpha"] is not None else "-"
+        print(f"{r['name']:28} {r['reference']:16} {r['kind']:10} {r['weight']:14} {r['activation']:32} "
+              f"{scale:>10} {pact:>8}")
+    return 0

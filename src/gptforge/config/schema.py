@@ -227,17 +227,20 @@ class QuantizationConfig:
     quantizable_layer_type: list[str] = field(
         default_factory=lambda: ["Linear", "ColumnParallelLinear", "RowParallelLinear"]
     )
-    onnx_format: bool = True
-    freeze_embedding: bool = False
+    onnx_format: bool = True  # accepted, no effect: input and weight scales are always stored (the reference adds output-scale observers)
+    freeze_embedding: bool = False  # word + position embeddings (and so the tied head) are not trained
     skip_tensor_map: dict[str, list[str]] = field(default_factory=dict)  # block_i: [qkv_proj|out_proj|linear1|linear2]
-    skip_layers: list[str] = field(default_factory=list)  # globs over our names, e.g. "blocks.3.linear2"
-    moving_rate: float = 0.9
+    skip_layers: list[str] = field(default_factory=list)  # globs over our names, e.g. "blocks.3.linear2", or reference names "linear_15"
+    quantize_embedding: bool = False  # also quantize the tied word embedding / LM head weight (per row, weight only); `quantize --convert` stores it as int8 unless --float-embedding
+    moving_rate: float = 0.9  # moving_average_abs_max: accum = rate*accum + max|x|, state = rate*state + 1
     pact_init: float = 100.0  # PACT clip alpha at start
     pact_lr_mult: float = 1000.0  # PACT alpha learning-rate multiplier
     dtype: str = "int8"  # accepted
     window_size: int = 10000  # accepted, no effect
     fuse_conv_bn: bool = False  # accepted, no effect
     calib_batches: int = 8  # PTQ: batches used to calibrate activation scales
+    calib_algo: str = "avg"  # PTQ observer: avg (mean of per-batch abs max) | abs_max (max over batches) | moving_average (the QAT update)
+    converted: bool = False  # set by `gptforge quantize --convert`: weights are stored as int8 + scales (a real INT8 model)
 
 
 @dataclass

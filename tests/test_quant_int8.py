@@ -1,0 +1,163 @@
+"""The real INT8 model: exact kernels, conversion quality, checkpoints, fallback path, bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gf_testutil import tiny_config, tiny_model
+from gptforge.compress import int8 as int8_mod
+from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, fast_kernel_available
+from gptforge.compress.int8_convert import compare_logits, convert_checkpoint, state_bytes
+from gptforge.compress.ptq import calibrate
+from gptforge.compress.quant import QuantLinear, quantize_model
+from gptforge.config.schema import QuantizationConfig
+from gptforge.model import build_model
+
+fast = pytest.mark.skipif(not fast_kernel_available(), reason="fbgemm int8 kernels need an x86 CPU build")
+
+
+def Q(**kw) -> QuantizationConfig:
+    return QuantizationConfig(enable=True, **kw)
+
+
+def _trained_layer(in_f=96, out_f=40, **kw) -> QuantLinear:
+    torch.manual_seed(3)
+    m = QuantLinear.from_linear(nn.Linear(in_f, out_f), Q(pact_init=2.5, **kw))
+    m.train()
+    for k in range(3):
+        m(torch.randn(6, in_f) * (1 + k))
+    return m.eval()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("pact", [None, "PACT"])
+@pytest.mark.parametrize("atype", ["moving_average_abs_max", "abs_max"])
+@pytest.mark.parametrize("wtype", ["abs_max", "channel_wise_abs_max"])
+def test_int8_linear_equals_the_fake_quant_layer(wtype, atype, pact, bits):
+    fq = _trained_layer(weight_quantize_type=wtype, activation_quantize_type=atype, activation_preprocess_type=pact,
+                        weight_bits=bits)
+    q = Int8Linear.from_quant(fq)
+    assert q.weight.dtype == torch.int8 and int(q.weight.abs().max()) == 2 ** (bits - 1) - 1
+    x = torch.randn(3, 7, 96) * 2
+    with torch.no_grad():
+        want, got = fq(x), q(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@fast
+def test_kernel_has_no_int16_saturation():
+    """Byte pairs near 255 x weights near 127 overflow AVX2's int16 pair sums; our split must not."""
+    K, N = 256, 4
+    w = torch.full((N, K), 1.0)
+    w[1] = -1.0
+    w[2, ::2] = 0.5
+    fq = QuantLinear.from_linear(nn.Linear(K, N, bias=False), Q(activation_quantize_type="abs_max"))
+    with torch.no_grad():
+        fq.weight.copy_(w)
+    q = Int8Linear.from_quant(fq.eval())
+    x = torch.full((2, K), 3.0)
+    x[1, ::3] = -3.0
+    exact = (np.round(x.numpy() / (3.0 / 127)) @ np.round(w.numpy() / np.abs(w.numpy()).max(1, keepdims=True) * 127).T)
+    exact = exact * (3.0 / 127) * (np.abs(w.numpy()).max(1) / 127)
+    np.testing.assert_allclose(q(x).numpy(), exact, rtol=1e-6)
+    # the plain call (zero point 128) does saturate on this input: the reason for the split
+    plain = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 3.0 / 127, 128, q.packed())
+    assert not np.allclose(plain.numpy(), exact, rtol=1e-3)
+
+
+def test_int8_embedding_lookup_and_two_digit_head():
+    emb = nn.Embedding(300, 64)
+    q = Int8Embedding.from_embedding(emb)
+    deq = q.dequantized_weight()
+    step = emb.weight.detach().abs().amax(1, keepdim=True) / 127
+    torch.testing.assert_close(deq, torch.round(emb.weight.detach() / step) * step)
+    ids = torch.tensor([[0, 5, 299]])
+    torch.testing.assert_close(q(ids), deq[ids])
+    h = torch.randn(2, 5, 64)
+    want = h @ deq.T
+    torch.testing.assert_close(q.project(h), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_fallback_path_gives_the_same_numbers(monkeypatch):
+    fq = _trained_layer(activation_preprocess_type="PACT")
+    q = Int8Linear.from_quant(fq)
+    x = torch.randn(4, 96)
+    fast_out = q(x)
+    monkeypatch.setattr(int8_mod, "fast_kernel_available", lambda: False)
+    torch.testing.assert_close(q(x), fast_out, rtol=1e-5, atol=1e-5)
+
+
+def _qat_like(model, q, batches):
+    """Fake-quant model with scales set as a few training steps would (no optimizer needed)."""
+    quantize_model(model, q)
+    calibrate(model, batches, "moving_average")
+    return model.eval()
+
+
+@pytest.mark.parametrize("embedding", ["quantized in QAT", "int8 at conversion", "float"])
+def test_converted_model_matches_fake_quant_model(embedding):
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 300, (4, 64), generator=g) for _ in range(4)]
+    fq = _qat_like(model, Q(activation_preprocess_type="PACT", quantize_embedding=embedding == "quantized in QAT"),
+                   batches)
+    conv_model = _converted(fq, embedding != "float")
+    ids = torch.randint(0, 300, (4, 64), generator=g)
+    stats = compare_logits(fq, conv_model, ids)
+    assert stats["sqnr_db"] >= 35.0 and stats["argmax_agreement"] >= 0.99, stats
+    assert isinstance(conv_model.blocks[0].linear2, Int8Linear)
+    assert isinstance(conv_model.wte, Int8Embedding) == (embedding != "float")
+
+
+def _converted(fq, int8_embedding):
+    m = copy.deepcopy(fq)
+    convert_model(m, int8_embedding=int8_embedding)
+    return m
+
+
+def test_converted_checkpoint_loads_evaluates_and_dequantizes(tmp_path):
+    from safetensors import safe_open
+
+    from gptforge.model_io import load_model, save_model_dir
+
+    torch.manual_seed(0)
+    model, cfg = tiny_model()
+    q = Q(weight_quantize_type="abs_max", activation_preprocess_type="PACT")
+    fq = _qat_like(model, q, [torch.randint(0, 300, (2, 32)) for _ in range(3)])
+    cfg.Compress.Quantization = q
+    save_model_dir(fq, cfg, tmp_path / "qat")
+    res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", echo=False)
+    assert res.check_data == "random ids" and res.sqnr_db >= 35 and res.int8_layers == 8
+    loaded, lcfg = load_model(tmp_path / "int8")
+    assert lcfg.Compress.Quantization.converted and lcfg.Compress.Quantization.quantize_embedding
+    assert isinstance(loaded.blocks[1].attn.qkv_proj, Int8Linear) and isinstance(loaded.wte, Int8Embedding)
+    with safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("blocks.0.linear1.weight").get_dtype() == "I8"
+        assert f.get_slice("wte.weight").get_dtype() == "I8"
+    ids = torch.randint(0, 300, (2, 20))
+    torch.testing.assert_close(loaded(ids).logits, _converted(fq, True)(ids).logits, rtol=0, atol=0)
+    # a KV-cached decode step works (the cache is fp32 although wte.weight is int8)
+    cache = loaded.new_cache(2, 24)
+    assert cache.k[0].dtype == torch.float32
+    h = loaded.hidden_states(ids, cache=cache)
+    step = loaded.hidden_states(ids[:, :1], cache=cache)
+    assert step.shape == (2, 1, 64) and h.shape == (2, 20, 64)
+    # weights only (e.g. Compress.pretrained = an INT8 model): int8 x step, the fake-quant weights
+    flt, _ = load_model(tmp_path / "int8", with_structure=False)
+    torch.testing.assert_close(flt.blocks[0].linear1.weight, fq.blocks[0].linear1.quantized_weight())
+
+
+def test_int8_bytes_are_under_30_percent_of_fp32():
+    cfg = tiny_config("Model.preset=mini")
+    model = build_model(cfg.Model)
+    fp32 = state_bytes(model)
+    quantize_model(model, Q())
+    calibrate(model, [torch.randint(0, 8000, (1, 16))])
+    convert_model(model)
+    assert state_bytes(model) <= 0.30 * fp32
