@@ -20,6 +20,15 @@ from test_train_support import small_tokenizer, state_equal, train_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 def _train(cfg, **kw):
     return pretrain(cfg, tokenizer=small_tokenizer(), progress=False, echo=False, **kw)
 
@@ -93,7 +102,7 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path, run_cli):
     cfg = train_config(tmp_path, "Engine.save_load.save_steps=2", steps=6)
     cfg_file = tmp_path / "run.yaml"
     save_config(cfg, cfg_file)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}  # same threads as here: same floats
     proc = subprocess.run([sys.executable, "-c", KILLER, "pretrain", "-c", str(cfg_file), "--no-progress"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr

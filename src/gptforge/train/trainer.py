@@ -70,6 +70,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def tune_cpu_allocator() -> bool:
+    """Keep freed memory in the glibc heap instead of returning it to the OS (Linux only).
+
+    A CPU training step allocates and frees hundreds of MB (logits, softmax, gradients) every
+    step; by default glibc serves each large block with a fresh mmap, so every step pays page
+    faults on first touch (~0.25 s per 400 MB here, 10-15% of a step). `mallopt` makes it reuse
+    the heap instead, like the jemalloc/tcmalloc setups PyTorch recommends for CPU training.
+    The process's resident size then stays at its peak. `GPTFORGE_MALLOC_TUNING=0` turns it off.
+    """
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux") or os.environ.get("GPTFORGE_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+        return False
+
+
 def _notice(msg: str) -> None:
     import sys
 
@@ -98,6 +121,7 @@ class Trainer:
         self.cfg = cfg
         e = cfg.Engine
         self.device = select_device(cfg.Global.device)
+        self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
         self.output_dir = Path(e.save_load.output_dir).expanduser()
         self.max_steps = e.max_steps
         self.gbs, self.local_bs = cfg.Global.global_batch_size, cfg.Global.local_batch_size
@@ -397,7 +421,8 @@ class Trainer:
                  f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
                  f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
                  f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
-                 f"{cfg.Model.recompute_granularity if self.recomputed else 'off'}, output {self.output_dir}")
+                 f"{cfg.Model.recompute_granularity if self.recomputed else 'off'}, output {self.output_dir}"
+                 + (", glibc heap reuse on" if self.malloc_tuned else ""))
         if self.resume_dir is not None:
             log.info(f"resumed from {self.resume_dir} at step {start_step} "
                      f"({start_step * self.gbs} samples consumed)")
