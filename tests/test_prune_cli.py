@@ -152,3 +152,30 @@ def test_reference_config_matches_the_spec():
         (0.0, 0.0, 90000, 2.5e-5, 5e-6)
     mini = load_config(ROOT / "configs" / "prune_gpt_mini_cpu.yaml")
     assert mini.Compress.Prune.enable and mini.Data.Train.dataset.input_dir == "builtin"
+
+
+def test_prune_then_qat_in_one_run_and_qat_from_a_pruned_directory(run_cli, dense, tmp_path):
+    from gptforge.compress.quant import QuantLinear
+    from gptforge.compress.sparsity import is_2_4, target_layers
+
+    data = _data_overrides(dense)
+    code, out, err = run_cli("prune", "--ckpt", dense, "--out", tmp_path / "pq", "-o", "Engine.max_steps=2",
+                             "-o", "Compress.Prune.ratio=0.25", "-o", "Compress.Prune.semi_structured=magnitude",
+                             "-o", "Compress.Quantization.enable=True", "--save-pruned", tmp_path / "float",
+                             "--no-progress", *data)
+    assert code == 0, err
+    model, cfg = load_model(tmp_path / "pq" / "step_2")
+    assert cfg.Model.num_attention_heads == 6 and cfg.Compress.Quantization.enable
+    layers = target_layers(model)
+    assert all(type(m) is QuantLinear for m in layers.values())
+    assert all(is_2_4(m.weight) for m in layers.values())  # the 2:4 pattern survives QAT fine-tuning
+    float_model, float_cfg = load_model(tmp_path / "float")
+    assert not float_cfg.Compress.Quantization.enable
+    assert float_model.num_parameters() < load_model(dense)[0].num_parameters()
+    # a pruned directory is an ordinary Compress.pretrained for `gptforge qat`
+    code, out, err = run_cli("qat", "--ckpt", tmp_path / "float", "-o", f"Engine.save_load.output_dir={tmp_path / 'q'}",
+                             "-o", "Engine.max_steps=2", "-o", "Engine.save_load.save_steps=-1", "--no-progress", *data)
+    assert code == 0, err
+    qmodel, qcfg = load_model(tmp_path / "q" / "step_2")
+    assert (qcfg.Model.num_attention_heads, qcfg.Model.ffn_hidden_size) == (6, 192)
+    assert any(type(m) is QuantLinear for m in qmodel.modules())

@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
                 setattr(cfg.Compress.Prune, key, cfg.Compress.Prune.ratio)
     if args.resume is not None and cfg.Engine.save_load.ckpt_dir:
         raise UsageError("give either --resume or Engine.save_load.ckpt_dir, not both")
+    if args.hf_out and cfg.Compress.Quantization.enable:
+        raise UsageError("--hf-out writes float GPT-2 weights; a fake-quant run is exported with "
+                         "`gptforge quantize` / `gptforge export`, not here")
     for path in (args.hf_out, args.save_pruned):
         if path:
             ensure_out_dir(path, args.force)
