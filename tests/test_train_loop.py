@@ -262,3 +262,17 @@ def test_tiny_cpu_recipe_learns_on_the_builtin_corpus(tmp_path):
     assert first > 10.0 and last < first - 1.5, (first, last)
     assert r.eval_losses[1][1] < r.eval_losses[0][1]
     assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "out")] == ["step_24"]
+
+
+def test_profiler_window_and_run_mode(tmp_path):
+    cfg = train_config(tmp_path, "Profiler.enable=True", "Profiler.scheduler=[2, 4]", "Engine.eval_freq=-1",
+                       "Engine.save_load.save_steps=-1", steps=4)
+    _train(cfg)
+    prof = tmp_path / "out" / "profiler_log"
+    assert (prof / "steps_2-3.trace.json").stat().st_size > 0
+    assert "aten::" in (prof / "steps_2-3.txt").read_text()
+    from gptforge.errors import ConfigError
+
+    cfg.Engine.run_mode = "epoch"
+    with pytest.raises(ConfigError, match="Engine.run_mode"):
+        Trainer(cfg, tokenizer=small_tokenizer())

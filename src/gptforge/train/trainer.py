@@ -120,6 +120,9 @@ class Trainer:
         check_train_shapes(cfg)
         self.cfg = cfg
         e = cfg.Engine
+        if e.run_mode != "step":
+            raise ConfigError(f"Engine.run_mode: {e.run_mode!r} is not supported by pretrain; use step "
+                              "(training length is Engine.max_steps)")
         self.device = select_device(cfg.Global.device)
         self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
         self.output_dir = Path(e.save_load.output_dir).expanduser()
@@ -355,10 +358,15 @@ class Trainer:
         t_window = t_start = time.perf_counter()
         train_iter = self._batches("Train", self.step * self.gbs)
         eval_total = e.eval_iters * (self.max_steps // e.eval_freq) if self._eval_enabled() else 0
+        prof = _ProfileWindow(cfg, self.output_dir, self.device, log) if cfg.Profiler.enable else None
         try:
             while self.step < self.max_steps:
+                if prof is not None:
+                    prof.before(self.step + 1)
                 stats = self.train_step(next(train_iter))
                 self.step += 1
+                if prof is not None:
+                    prof.after(self.step)
                 losses.append(stats["loss"])
                 window_loss += stats["loss"]
                 window_inf += stats["found_inf"]
@@ -428,6 +436,42 @@ class Trainer:
                      f"({start_step * self.gbs} samples consumed)")
         if self.peak is None:
             log.info(f"MFU: n/a (no peak-FLOPs entry for {device_name(self.device)})")
+
+
+class _ProfileWindow:
+    """`Profiler.enable`: a torch.profiler trace of steps [start, end) (`Profiler.scheduler`),
+    written as a Chrome trace plus an op table under `output_dir/<profiler_log>/`."""
+
+    def __init__(self, cfg: Config, output_dir: Path, device: torch.device, log: RunLogger):
+        p = cfg.Profiler
+        if len(p.scheduler) != 2 or not 0 < p.scheduler[0] < p.scheduler[1]:
+            raise ConfigError(f"Profiler.scheduler: expected [start_step, end_step) with 0 < start < end, "
+                              f"got {p.scheduler}")
+        self.start, self.end = p.scheduler
+        self.detailed, self.log = p.detailed, log
+        self.dir = output_dir / p.profiler_log
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if step == self.start:
+            self.prof = torch.profiler.profile(activities=self.activities, record_shapes=self.detailed,
+                                               with_stack=self.detailed, profile_memory=self.detailed)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.end - 1:
+            self.prof.__exit__(None, None, None)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            name = f"steps_{self.start}-{self.end - 1}"
+            self.prof.export_chrome_trace(str(self.dir / f"{name}.trace.json"))
+            sort = "self_cuda_time_total" if len(self.activities) > 1 else "self_cpu_time_total"
+            table = self.prof.key_averages(group_by_input_shape=self.detailed).table(sort_by=sort, row_limit=40)
+            (self.dir / f"{name}.txt").write_text(table + "\n", encoding="utf-8")
+            self.log.info(f"[profile] steps {self.start}..{self.end - 1}: {self.dir / name}.trace.json and .txt")
+            self.prof = None
 
 
 def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
