@@ -71,6 +71,7 @@ def test_kv_cache_step_logits_equal_full_recomputation(model, prepack):
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
             pos = pos + 1
             logits = be.step(nxt, pos, mask, cache)
+        assert be.packed_rows == (B if prepack else 0)  # the fast path really ran
 
 
 class RecomputeBackend:

@@ -65,12 +65,13 @@ class TorchBackend:
 
     Only the last position is projected onto the vocabulary. On CPU in fp32 with `prepack`
     (`Generation.fast_cpu_decode`), every plain `nn.Linear` and the tied head get a
-    oneDNN-packed copy of their weight while the backend is open (`with TorchBackend(m) as b:`):
-    a decode step is a handful of matrix-vector products that are bound by reading the weights,
-    and the packed layout reads them about 1.3x faster at batch 1 and 1.6x at batch 8 than MKL's
-    row-major GEMM here. The copies cost one extra set of Linear + embedding weights for the
-    duration of the call and are dropped when the backend closes. Modules that quantization or
-    other wrappers replaced are not `nn.Linear` and keep their own forward.
+    oneDNN-packed copy of their weight at the first decode step, used while the backend is open
+    (`with TorchBackend(m) as b:`) for inputs of at most `PACKED_MAX_ROWS` rows: a decode step
+    is a handful of skinny matrix products bound by reading the weights, which the packed layout
+    does faster than MKL's GEMM on row-major weights (see docs/generate.md for figures). The
+    copies cost one extra set of Linear + embedding weights and are dropped when the backend
+    closes. Modules that quantization or other wrappers replaced are not `nn.Linear` and keep
+    their own forward.
     `use_cache=False` recomputes the whole sequence every step (a reference path).
     """
 
@@ -86,32 +87,43 @@ class TorchBackend:
         self._patched: list[nn.Linear] = []
         self._head: torch.Tensor | None = None
         self._was_training = False
+        self._open = False
+        self._packed_rows = 0  # 0: not packed (yet)
 
     # -- lifetime ----------------------------------------------------------------------------
 
     def __enter__(self) -> TorchBackend:
         self._was_training = self.model.training
         self.model.eval()
-        if self.prepack:
-            try:
-                self._pack()
-            except RuntimeError:  # an unusual build or layout: the plain path is always correct
-                self._unpack()
+        self._open = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._open = False
         self._unpack()
+        self._packed_rows = 0
         self.model.train(self._was_training)
 
-    def _pack(self) -> None:
-        for mod in self.model.modules():
-            # Exact type: quantized or otherwise wrapped Linears keep their own forward.
-            if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
-                packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
-                mod.forward = lambda x, _m=mod, _p=packed: _packed_forward(_m, _p, x)
-                self._patched.append(mod)
-        if type(self.model.wte) is nn.Embedding:
-            self._head = torch.ops.mkldnn._reorder_linear_weight(self.model.wte.weight.detach(), 1)
+    @property
+    def packed_rows(self) -> int:
+        """The row count the packed weights were laid out for; 0 when not packed."""
+        return self._packed_rows if self._head is not None or self._patched else 0
+
+    def _pack(self, rows: int) -> None:
+        """Pack the weights for GEMMs of `rows` rows (the decode batch: oneDNN picks its blocking
+        from it; at batch 8 this is ~20% faster than a layout chosen for one row)."""
+        self._packed_rows = rows
+        try:
+            for mod in self.model.modules():
+                # Exact type: quantized or otherwise wrapped Linears keep their own forward.
+                if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows)
+                    mod.forward = lambda x, _m=mod, _p=packed: _packed_forward(_m, _p, x)
+                    self._patched.append(mod)
+            if type(self.model.wte) is nn.Embedding:
+                self._head = torch.ops.mkldnn._reorder_linear_weight(self.model.wte.weight.detach(), rows)
+        except RuntimeError:  # an unusual build or layout: the plain path is always correct
+            self._unpack()
 
     def _unpack(self) -> None:
         for mod in self._patched:
@@ -128,6 +140,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        if self.prepack and self._open and not self._packed_rows and input_ids.shape[1] == 1:
+            self._pack(input_ids.shape[0])  # at the first decode step, when the batch is known
         if isinstance(cache, _Recompute):
             input_ids, position_ids, attention_mask = cache.extend(input_ids, position_ids, attention_mask)
             cache = None
