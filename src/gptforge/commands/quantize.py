@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.compress.int8_convert import convert_checkpoint
 
     r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=not args.float_embedding,
-                           overwrite=args.force, check=not args.no_check)
+                           overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
     check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "
              f"{100 * r.argmax_agreement:.2f}%" if r.tokens else "")
     print(f"gptforge quantize: {r.int8_layers} INT8 layers{' + int8 embedding' if r.int8_embedding else ''}, "
