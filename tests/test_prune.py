@@ -14,6 +14,15 @@ from gptforge.config.schema import PruneConfig
 from gptforge.model import build_model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _prune_cfg(**kw) -> PruneConfig:
     p = PruneConfig(enable=True, **kw)
     p.head_ratio = p.ratio if p.head_ratio is None else p.head_ratio
