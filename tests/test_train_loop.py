@@ -276,3 +276,15 @@ def test_profiler_window_and_run_mode(tmp_path):
     cfg.Engine.run_mode = "epoch"
     with pytest.raises(ConfigError, match="Engine.run_mode"):
         Trainer(cfg, tokenizer=small_tokenizer())
+
+
+def test_resume_takes_shape_and_structure_from_the_checkpoint(tmp_path):
+    _train(train_config(tmp_path, "Engine.eval_freq=-1", steps=2))
+    cfg = train_config(tmp_path, "Engine.eval_freq=-1", "Model.hidden_size=32", "Model.ffn_hidden_size=128",
+                       f"Engine.save_load.ckpt_dir={tmp_path / 'out'}", steps=3)
+    t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    assert t.step == 2 and t.model.wte.weight.shape[1] == 64 and cfg.Model.hidden_size == 64
+    r = t.train()
+    from gptforge.config import load_config
+
+    assert load_config(ckpt_dir=r.checkpoint_dir).Model.hidden_size == 64

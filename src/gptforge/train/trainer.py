@@ -133,7 +133,16 @@ class Trainer:
         seed_everything(cfg.Global.seed)
 
         # 1. model → pretrained weights → caller's transform → device → resumed weights
-        if model is None:
+        resumed_whole = False
+        if model is None and transform is None and self.resume_dir is not None:
+            # The checkpoint knows its shape and structure (pruned widths, fake-quant modules).
+            from gptforge.model_io import load_model
+
+            model, shaped = load_model(self.resume_dir, cfg, with_structure=True)
+            cfg.Model = shaped.Model  # the saved config must describe the saved model
+            check_train_shapes(cfg)
+            resumed_whole = True
+        elif model is None:
             from gptforge.model import build_model
 
             model = build_model(cfg.Model)
@@ -142,7 +151,7 @@ class Trainer:
         if transform is not None:
             model = transform(model)
         model = model.to(self.device)
-        if self.resume_dir is not None:
+        if self.resume_dir is not None and not resumed_whole:
             ckpt.load_model_weights(self.resume_dir, model)
         self.model = model  # the plain model: saved, evaluated, handed back
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
