@@ -95,15 +95,20 @@ def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def score_sequences(model: torch.nn.Module, seqs: list[list[int]], first: list[int], *,
-                    batch_size: int = 8, pad_id: int = 0, vocab_size: int | None = None,
-                    amp_dtype: torch.dtype | None = None, progress: bool = False,
-                    desc: str = "scoring") -> list[Scored]:
+                    batch_size: int = 8, max_tokens: int | None = None, pad_id: int = 0,
+                    vocab_size: int | None = None, amp_dtype: torch.dtype | None = None,
+                    progress: bool = False, desc: str = "scoring") -> list[Scored]:
     """Score `seqs[i][first[i]+1:]` given the tokens before each: one `Scored` per sequence.
 
     `first[i]` is the index (into the labels `seqs[i][1:]`) of the first scored label, so the
     scored tokens are the last `len(seqs[i]) - 1 - first[i]` ones. A sequence may be at most the
     model's context + 1 tokens long. `vocab_size` limits the softmax/argmax to the first
     columns (default: every column the model outputs). Results come back in input order.
+
+    A batch holds `batch_size` sequences, or more while its padded input stays within
+    `max_tokens` positions: callers pass the budget of `batch_size` full windows (what the
+    reference's padded batches occupy), so short passages share a forward pass without using
+    more memory. On a CPU, per-sequence cost keeps falling up to a few dozen sequences.
     """
     if len(seqs) != len(first):
         raise ValueError("seqs and first differ in length")
@@ -119,8 +124,7 @@ def score_sequences(model: torch.nn.Module, seqs: list[list[int]], first: list[i
                 else contextlib.nullcontext())
     bar = tqdm(total=len(seqs), desc=desc, unit="seq", disable=not progress, dynamic_ncols=True)
     with torch.inference_mode(), autocast:
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
+        for idx in _batches(order, [len(s) - 1 for s in seqs], batch_size, max_tokens):
             T = len(seqs[idx[0]]) - 1
             ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
             rows, cols, labels, owner = [], [], [], []
@@ -146,6 +150,17 @@ def score_sequences(model: torch.nn.Module, seqs: list[list[int]], first: list[i
             bar.update(len(idx))
     bar.close()
     return results  # type: ignore[return-value]
+
+
+def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int | None):
+    """Consecutive groups of `order` (longest first): `batch_size` items, or more while
+    items × the first (longest) item's length fits in `max_tokens`."""
+    b = 0
+    while b < len(order):
+        longest = max(1, lengths[order[b]])
+        n = max(batch_size, (max_tokens or 0) // longest)
+        yield order[b:b + n]
+        b += n
 
 
 def _score_rows(states: torch.Tensor, project, labels: torch.Tensor, vocab_size: int | None):

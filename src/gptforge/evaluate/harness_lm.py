@@ -86,7 +86,8 @@ class GPTForgeLM(TemplateLM):
             seqs.append(full)
             first.append(len(full) - 1 - len(cont))
         check_token_ids(self.model, seqs, "lm-eval request")
-        scored = score_sequences(self.model, seqs, first, batch_size=self.batch_size, pad_id=self.eot_token_id,
+        scored = score_sequences(self.model, seqs, first, batch_size=self.batch_size,
+                                 max_tokens=self.batch_size * L, pad_id=self.eot_token_id,
                                  vocab_size=self.vocab_size, amp_dtype=self.amp_dtype,
                                  progress=not disable_tqdm, desc="loglikelihood")
         out = []

@@ -108,8 +108,9 @@ def evaluate_lambada(model: torch.nn.Module, tokenizer, path: str | Path, batch_
         seqs.append(full)
         first.append(len(full) - 1 - len(t))
     check_token_ids(model, seqs, path)
-    scored = score_sequences(model, seqs, first, batch_size=batch_size, pad_id=eos, vocab_size=vocab_size,
-                             amp_dtype=amp_dtype, progress=progress, desc="LAMBADA")
+    # Short passages share a forward pass up to the token budget of batch_size full windows.
+    scored = score_sequences(model, seqs, first, batch_size=batch_size, max_tokens=batch_size * L, pad_id=eos,
+                             vocab_size=vocab_size, amp_dtype=amp_dtype, progress=progress, desc="LAMBADA")
     n = len(examples)
     correct = sum(s.greedy for s in scored)
     last_correct = sum(s.last_greedy for s in scored)
