@@ -209,7 +209,7 @@ class OfflineEvalConfig:
     eval_path: str | None = None  # LAMBADA jsonl or WikiText text file, supplied by the user
     cloze_eval: bool = False  # True: LAMBADA accuracy; False: perplexity
     overlapping_eval: int | None = 32  # perplexity window stride (blank = max_seq_len)
-    batch_size: int = 8  # examples (LAMBADA) or windows (WikiText) per forward pass
+    batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
     max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context
     logging_freq: int = 10  # only used by `gptforge eval --emulate-reference-aggregation`
     output: str | None = None  # results JSON (derived: <ckpt dir or cwd>/eval_results_<lambada|wikitext|harness>.json)
