@@ -160,6 +160,8 @@ class Trainer:
             raise ConfigError(
                 f"Data.tokenizer: {self.tokenizer.name!r} has {self.tokenizer.vocab_size} tokens but the model's "
                 f"vocabulary is {vocab}; raise Model.vocab_size or use the tokenizer the data was made with")
+        self.datasets = datasets
+        self._build_datasets()  # data errors surface before the optimizer and run directory exist
 
         # 2. recompute → compile → parallel → precision → optimizer
         m = cfg.Model
@@ -188,7 +190,6 @@ class Trainer:
             if int(meta.get("global_batch_size", self.gbs)) != self.gbs:
                 raise ConfigError(f"Global.global_batch_size: {self.gbs} differs from the checkpoint's "
                                   f"{meta['global_batch_size']} ({self.resume_dir}); resume with the same batch size")
-        self.datasets = datasets
         self.progress, self.echo = progress, echo
         self.flops_per_token = train_flops_per_token(model, cfg.Data.Train.dataset.max_seq_len)
         self.peak = peak_flops(self.device, self.precision.name)
