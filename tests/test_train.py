@@ -322,3 +322,22 @@ def test_single_process_parallel_seam():
     cfg.Distributed.mp_degree = 2
     with pytest.raises(ConfigError, match="Distributed.mp_degree=2"):
         setup_parallel(model, cfg, torch.device("cpu"))
+
+
+def test_run_logger_writes_log_jsonl_tensorboard_and_bar(tmp_path, capsys):
+    import json
+
+    log = metrics.RunLogger(tmp_path, total_steps=3, progress=True)
+    log.info("[train] hello")
+    log.record("train", 1, {"loss": 2.5, "mfu": None, "lr": float("nan")})
+    log.progress(1, 2.5)
+    log.progress(3)
+    log.close()
+    out = capsys.readouterr()
+    assert "[train] hello" in out.out and "/3 [" in out.err  # the bar (with ETA) is drawn on stderr
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["kind"] == "train" and row["loss"] == 2.5 and row["mfu"] is None and row["lr"] == "nan"
+    assert "[train] hello" in (tmp_path / "train.log").read_text()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+    metrics.RunLogger(tmp_path / "other", enabled=False).info("x")  # non-main ranks write nothing
+    assert not (tmp_path / "other").exists()

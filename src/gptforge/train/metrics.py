@@ -194,11 +194,11 @@ class RunLogger:
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
 
     def progress(self, step: int, loss: float | None = None) -> None:
+        """Advance the bar to `step` (redraws are rate-limited by tqdm)."""
         if self._bar is not None:
-            self._bar.n = step
             if loss is not None:
                 self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            self._bar.refresh()
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:

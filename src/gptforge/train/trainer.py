@@ -377,6 +377,7 @@ class Trainer:
                 self.step += 1
                 if prof is not None:
                     prof.after(self.step)
+                log.progress(self.step)
                 losses.append(stats["loss"])
                 window_loss += stats["loss"]
                 window_inf += stats["found_inf"]
