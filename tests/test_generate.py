@@ -12,8 +12,7 @@ from torch import nn
 from gf_testutil import tiny_model
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
-from gptforge.generate import TorchBackend, generate, generate_ids, left_pad, stream
-from gptforge.generate.streaming import IncrementalDecoder
+from gptforge.generate import IncrementalDecoder, TorchBackend, generate, generate_ids, left_pad, stream
 
 GREEDY = GenerationConfig(decode_strategy="greedy_search", max_dec_len=10)
 PROMPTS = [[5, 17, 300, 41, 9], [7, 1000, 12, 66, 2, 3, 4, 8, 90], [250, 251, 252]]

@@ -9,6 +9,7 @@
 
 from gptforge.generate.api import (
     GenerationResult,
+    IncrementalDecoder,
     TextStream,
     check_config,
     generate,
@@ -29,7 +30,7 @@ from gptforge.generate.processors import (
 from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
 
 __all__ = [
-    "GenerationResult", "TextStream", "check_config", "generate", "generate_ids", "stream",
+    "GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "generate", "generate_ids", "stream",
     "StepBackend", "TorchBackend", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
     "Temperature", "TopK", "TopP", "VocabLimit", "PromptBatch", "SearchOutput", "TokenDecoder", "left_pad",
 ]
