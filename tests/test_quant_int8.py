@@ -132,7 +132,7 @@ def test_converted_checkpoint_loads_evaluates_and_dequantizes(tmp_path):
     fq = _qat_like(model, q, [torch.randint(0, 300, (2, 32)) for _ in range(3)])
     cfg.Compress.Quantization = q
     save_model_dir(fq, cfg, tmp_path / "qat")
-    res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", echo=False)
+    res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", int8_embedding=True, echo=False)
     assert res.check_data == "random ids" and res.sqnr_db >= 35 and res.int8_layers == 8
     loaded, lcfg = load_model(tmp_path / "int8")
     assert lcfg.Compress.Quantization.converted and lcfg.Compress.Quantization.quantize_embedding
@@ -157,7 +157,21 @@ def test_int8_bytes_are_under_30_percent_of_fp32():
     cfg = tiny_config("Model.preset=mini")
     model = build_model(cfg.Model)
     fp32 = state_bytes(model)
-    quantize_model(model, Q())
+    quantize_model(model, Q(quantize_embedding=True))
     calibrate(model, [torch.randint(0, 8000, (1, 16))])
     convert_model(model)
+    assert isinstance(model.wte, Int8Embedding)
     assert state_bytes(model) <= 0.30 * fp32
+
+
+def test_embedding_is_converted_as_it_was_trained():
+    for trained in (False, True):
+        model, _ = tiny_model()
+        quantize_model(model, Q(quantize_embedding=trained))
+        convert_model(model)
+        assert isinstance(model.wte, Int8Embedding) == trained
+        assert ("logits" in model.__dict__) == trained
+    model, _ = tiny_model()
+    quantize_model(model, Q(quantize_embedding=True))
+    convert_model(model, int8_embedding=False)  # forced float: the plain embedding and head again
+    assert type(model.wte) is nn.Embedding and "logits" not in model.__dict__

@@ -22,9 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, ckpt_help="the QAT/PTQ model directory (a training step_N works)")
     p.add_argument("--convert", action="store_true", help="write the real INT8 model to --out")
     p.add_argument("--out", metavar="DIR", help="output directory for --convert")
-    p.add_argument("--float-embedding", action="store_true",
-                   help="keep the tied word embedding / LM head float (default: int8 per row when the model did "
-                        "not quantize it already)")
+    p.add_argument("--embedding", choices=("auto", "int8", "float"), default="auto",
+                   help="the tied word embedding / LM head: auto (default) = int8 per row when the model was trained "
+                        "with it quantized (Compress.Quantization.quantize_embedding), else float; int8 / float force it")
     p.add_argument("--no-check", action="store_true", help="skip the logits check against the fake-quant model")
     p.add_argument("--force", action="store_true", help="overwrite --out")
 
@@ -35,15 +35,16 @@ def run(args: argparse.Namespace) -> int:
     require_ckpt(args)
     cfg = config_from_args(args)
     if not args.convert:
-        if args.out or args.float_embedding or args.no_check:
-            raise UsageError("--out/--float-embedding/--no-check apply with --convert")
+        if args.out or args.embedding != "auto" or args.no_check:
+            raise UsageError("--out/--embedding/--no-check apply with --convert")
         return _show(args, cfg)
     if not args.out:
         raise UsageError("give the output directory with --out DIR")
     ensure_out_dir(args.out, args.force)
     from gptforge.compress.int8_convert import convert_checkpoint
 
-    r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=not args.float_embedding,
+    emb = {"auto": None, "int8": True, "float": False}[args.embedding]
+    r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
                            overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
     check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "
              f"{100 * r.argmax_agreement:.2f}%" if r.tokens else "")

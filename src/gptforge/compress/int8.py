@@ -4,8 +4,8 @@
 `weight` (int8, the exact integers the fake-quant forward uses), `weight_scale` (its step per
 output channel or per tensor), `bias`, `input_scale` (the learned activation step; absent for
 `abs_max` activations, whose step is max|x|/qmax of each call) and `pact_alpha` (with PACT).
-With `int8_embedding` the tied word embedding becomes an `Int8Embedding` (int8 rows + a step
-per row) that serves the lookup and the LM head.
+When the fake-quant model quantized the tied word embedding (`quantize_embedding`), or when
+asked, it becomes an `Int8Embedding` (int8 rows + a step per row) serving lookup and LM head.
 
 The kernel. On this CPU (AVX2, no VNNI) fbgemm multiplies unsigned activation bytes by signed
 weight bytes with `vpmaddubsw`, which adds two products into a *saturating* int16: a pair of
@@ -255,9 +255,13 @@ def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
 
 
 @torch.no_grad()
-def convert_model(model: nn.Module, int8_embedding: bool = True) -> list[str]:
+def convert_model(model: nn.Module, int8_embedding: bool | None = None) -> list[str]:
     """Swap a fake-quant model's layers for INT8 ones in place (eval-mode numerics are kept).
 
+    `int8_embedding`: store the tied embedding / LM head as int8 rows; default (None): when
+    the fake-quant model quantizes it (`quantize_embedding`), so the INT8 model computes what
+    was trained. True on a model that did not train with it adds that rounding error; False on
+    one that did restores the float embedding.
     Layers whose quantization was switched off entirely are restored to float `nn.Linear`s and
     their names returned (record them in `skip_layers`); a layer with only one of weight /
     activation quantization switched off cannot be converted.
@@ -278,8 +282,14 @@ def convert_model(model: nn.Module, int8_embedding: bool = True) -> list[str]:
         else:
             raise ConfigError(f"{name}: only one of weight/activation quantization is switched off; "
                               "an INT8 layer needs both on (or both off to keep it float)")
-    if isinstance(model.wte, QuantEmbedding) or int8_embedding:
+    trained = isinstance(model.wte, QuantEmbedding) and model.wte.weight_quant_enabled
+    if int8_embedding if int8_embedding is not None else trained:
         _install_int8_embedding(model, Int8Embedding.from_embedding(model.wte))
+    elif isinstance(model.wte, QuantEmbedding):
+        emb = nn.Embedding(model.wte.num_embeddings, model.wte.embedding_dim, device="meta")
+        emb.weight = model.wte.weight
+        model.wte = emb
+        model.__dict__.pop("logits", None)  # back to the class's float head
     return floats
 
 

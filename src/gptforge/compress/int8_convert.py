@@ -82,9 +82,14 @@ def _check_ids(cfg, tokenizer, vocab: int, echo: bool) -> tuple[torch.Tensor, st
         return torch.randint(0, vocab, (2, seq), generator=g), "random ids"
 
 
-def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cfg=None, int8_embedding: bool = True,
-                       overwrite: bool = False, check: bool = True, echo: bool = True) -> ConvertResult:
-    """Convert the fake-quant model at `src` into an INT8 model directory at `out_dir`."""
+def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cfg=None,
+                       int8_embedding: bool | None = None, overwrite: bool = False, check: bool = True,
+                       echo: bool = True) -> ConvertResult:
+    """Convert the fake-quant model at `src` into an INT8 model directory at `out_dir`.
+
+    `int8_embedding`: None (default) stores the tied embedding / LM head as int8 exactly when
+    the model was trained with it quantized (`quantize_embedding`); True / False force it.
+    """
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import atomic_dir, load_model, resolve_checkpoint_path, write_model_files
 
@@ -98,8 +103,11 @@ def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cf
                           "run `gptforge qat` or `gptforge ptq` first")
     if int8_embedding and not q.quantize_embedding:
         _notice("the embedding / LM head was not quantized during QAT/PTQ; storing it as int8 adds its rounding "
-                "error (about 40 dB SQNR on the logits); QAT with -o Compress.Quantization.quantize_embedding=true "
-                "avoids that, --float-embedding keeps it float", echo)
+                "error to the INT8 model (QAT with -o Compress.Quantization.quantize_embedding=true avoids that)", echo)
+    elif int8_embedding is None and not q.quantize_embedding:
+        _notice("the embedding / LM head stays float, as it was trained (`--embedding int8` stores it as int8: "
+                "fewer bytes, plus its rounding error; QAT with Compress.Quantization.quantize_embedding=true "
+                "trains for it)", echo)
     tokenizer = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
     fq_bytes = state_bytes(model)
     ref = copy.deepcopy(model) if check else None
@@ -111,7 +119,7 @@ def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cf
         ids, data = _check_ids(cfg, tokenizer, model.wte.weight.shape[0], echo)
         stats = compare_logits(ref, model, ids)
         del ref
-    qc = converted_config(q, int8_embedding or q.quantize_embedding, floats)
+    qc = converted_config(q, isinstance(model.wte, Int8Embedding), floats)
     out_cfg = dataclasses.replace(cfg, Compress=dataclasses.replace(cfg.Compress, Quantization=qc))
     result = ConvertResult(out_dir=str(out_dir), source=str(path), check_data=data,
                            int8_embedding=isinstance(model.wte, Int8Embedding), float_layers=floats,

@@ -231,7 +231,7 @@ class QuantizationConfig:
     freeze_embedding: bool = False  # word + position embeddings (and so the tied head) are not trained
     skip_tensor_map: dict[str, list[str]] = field(default_factory=dict)  # block_i: [qkv_proj|out_proj|linear1|linear2]
     skip_layers: list[str] = field(default_factory=list)  # globs over our names, e.g. "blocks.3.linear2", or reference names "linear_15"
-    quantize_embedding: bool = False  # also quantize the tied word embedding / LM head weight (per row, weight only); `quantize --convert` stores it as int8 unless --float-embedding
+    quantize_embedding: bool = False  # also quantize the tied word embedding / LM head weight (per row, weight only); `quantize --convert` then stores it as int8
     moving_rate: float = 0.9  # moving_average_abs_max: accum = rate*accum + max|x|, state = rate*state + 1
     pact_init: float = 100.0  # PACT clip alpha at start
     pact_lr_mult: float = 1000.0  # PACT alpha learning-rate multiplier
