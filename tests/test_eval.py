@@ -187,14 +187,18 @@ def test_detokenizer_matches_lm_eval():
 
 def _straightforward_nll(hf, tokens, L, s):
     """Each target j is predicted from tokens[w*s : j], w = the window that scores j by definition
-    (the first window scores targets 1..L, window w>0 the targets L+(w-1)s+1 .. L+ws)."""
-    total = 0.0
+    (the first window scores targets 1..L, window w>0 the targets L+(w-1)s+1 .. L+ws). Targets
+    with the same context start share one causal forward pass."""
+    by_start: dict[int, list[int]] = {}
     for j in range(1, len(tokens)):
         w = 0 if j <= L else math.ceil((j - L) / s)
-        ctx = tokens[w * s:j]
-        assert 0 < len(ctx) <= L
+        assert 0 < j - w * s <= L
+        by_start.setdefault(w * s, []).append(j)
+    total = 0.0
+    for start, js in by_start.items():
         with torch.no_grad():
-            total -= float(F.log_softmax(hf(torch.tensor([ctx])).logits[0, -1].double(), -1)[tokens[j]])
+            logp = F.log_softmax(hf(torch.tensor([tokens[start:js[-1]]])).logits[0].double(), -1)
+        total -= sum(float(logp[j - 1 - start, tokens[j]]) for j in js)
     return total
 
 
