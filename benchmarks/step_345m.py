@@ -55,7 +55,8 @@ def worker(kind: str, steps: int, seq: int) -> dict:
         from gptforge.data.tokenizer import gpt2_tokenizer
         from gptforge.train import Trainer
 
-        trainer = Trainer(cfg, tokenizer=gpt2_tokenizer(), progress=False, echo=False)
+        # The step runs on a fixed synthetic batch; no corpus is read.
+        trainer = Trainer(cfg, tokenizer=gpt2_tokenizer(), datasets={"Train": [batch]}, progress=False, echo=False)
         n_params = sum(p.numel() for p in trainer.model.parameters())
 
         def step():

@@ -56,7 +56,8 @@ def build(args):
         f"Data.Train.dataset.max_seq_len={args.seq}", "Engine.mix_precision.enable=False",
         f"Engine.save_load.output_dir={out}", "Optimizer.lr.warmup_rate=0", "Optimizer.name=FusedAdamW"])
     torch.manual_seed(0)
-    trainer = Trainer(cfg, tokenizer=gpt2_tokenizer(), progress=False, echo=False)
+    # Both models step on one fixed synthetic batch (below); no corpus is read.
+    trainer = Trainer(cfg, tokenizer=gpt2_tokenizer(), datasets={"Train": [None]}, progress=False, echo=False)
     hf_cfg = GPT2Config(vocab_size=cfg.Model.vocab_size, n_positions=cfg.Model.max_position_embeddings,
                         n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, resid_pdrop=0.1,
                         embd_pdrop=0.1, attn_pdrop=0.1)
