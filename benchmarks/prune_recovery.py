@@ -12,13 +12,14 @@ On the built-in corpus (this Python's standard library, tokenized with a byte-le
      (pruned + fine-tuned) − (dense + the same steps);
   4. evaluate every model on the same held-out batches (Eval split), and time the forward pass
      of each on the same fixed batch (best of several interleaved rounds, so that load from
-     other processes hits every model alike and the least-disturbed round counts). The peer is
-     the dense model: speed-ups are pruned tokens/s ÷ dense tokens/s from the same run.
+     other processes hits every model alike and the least-disturbed round counts), on one
+     thread (the work per core, least disturbed by other processes) and on all threads. The
+     peer is the dense model: speed-ups are pruned tokens/s ÷ dense tokens/s from the same run.
   5. one-shot (no fine-tuning) eval loss at 25 % for every criterion, and of 2:4 sparsity
      (magnitude, wanda), which needs a sparse kernel (CUDA) to be faster and is not timed.
 
     .venv/bin/python benchmarks/prune_recovery.py [--work runs/bench_prune] [--dense-steps 300]
-        [--ft-steps 100] [--ratios 0.125 0.25 0.5] [--quick]
+        [--ft-steps 100] [--ratios 0.125 0.25 0.5] [--reuse] [--quick]
 
 Artifacts (tokenizer, dense run) are reused from --work when present; results go to
 <work>/prune_recovery.json and are printed as a Markdown table.
@@ -119,13 +120,26 @@ def eval_loss(model, batches) -> float:
     return total / len(batches)
 
 
-def timed(models: dict, batch: int, seq: int, rounds: int) -> dict[str, float]:
+def timed(models: dict, batch: int, seq: int, rounds: int, threads: int) -> dict[str, float]:
     """Best forward tokens/s per model over `rounds` interleaved rounds (each the median of 3)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     speeds: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(rounds):
-        for name, m in models.items():
-            speeds[name].append(forward_tokens_per_s(m, batch, seq, repeats=3))
+    try:
+        for _ in range(rounds):
+            for name, m in models.items():
+                speeds[name].append(forward_tokens_per_s(m, batch, seq, repeats=3))
+    finally:
+        torch.set_num_threads(before)
     return {k: max(v) for k, v in speeds.items()}
+
+
+def finished(out: Path, steps: int) -> Path | None:
+    """The step-`steps` checkpoint of a completed run in `out`, if there is one."""
+    from gptforge.train import checkpoint as ckpt
+
+    last = ckpt.latest_checkpoint(out)
+    return last if last is not None and ckpt.read_meta(last)["step"] == steps else None
 
 
 def ft_overrides(args, tok_dir: Path, pretrained: Path, out: Path) -> list[str]:
@@ -148,7 +162,8 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=24)
     ap.add_argument("--ft-lr", type=float, default=5e-4)
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for training (default: torch's)")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished control / pruning runs found in --work")
     ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
     args = ap.parse_args()
     if args.quick:
@@ -169,26 +184,30 @@ def main() -> int:
     from gptforge.train import pretrain
 
     out = work / "dense_ft"
-    shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    ctrl = pretrain(load_config(overrides=ft_overrides(args, tok_dir, dense_dir, out)), tokenizer=tok,
-                    progress=False, echo=False)
-    control, _ = load_model(ctrl.checkpoint_dir)
+    done = finished(out, args.ft_steps) if args.reuse else None
+    if done is None:
+        shutil.rmtree(out, ignore_errors=True)
+        done = pretrain(load_config(overrides=ft_overrides(args, tok_dir, dense_dir, out)), tokenizer=tok,
+                        progress=False, echo=False).checkpoint_dir
+    control, _ = load_model(done)
     control_loss = eval_loss(control, batches)
     rows.append({"model": f"dense + {args.ft_steps} steps (control)", "ratio": 0.0, "params": dense.num_parameters(),
                  "eval_loss": control_loss, "ft_time_s": time.perf_counter() - t0})
     for ratio in args.ratios:
         out = work / f"prune_{ratio:g}"
-        shutil.rmtree(out, ignore_errors=True)
-        cfg = load_config(overrides=[*ft_overrides(args, tok_dir, dense_dir, out), "Compress.Prune.enable=True",
-                                     "Compress.Prune.criterion=l1_norm", f"Compress.Prune.ratio={ratio}"])
         t0 = time.perf_counter()
-        run = prune_and_finetune(cfg, tok, save_pruned=out / "pruned", progress=False, echo=False)
+        done = finished(out, args.ft_steps) if args.reuse and (out / "pruned").is_dir() else None
+        if done is None:
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = load_config(overrides=[*ft_overrides(args, tok_dir, dense_dir, out), "Compress.Prune.enable=True",
+                                         "Compress.Prune.criterion=l1_norm", f"Compress.Prune.ratio={ratio}"])
+            done = prune_and_finetune(cfg, tok, save_pruned=out / "pruned", progress=False, echo=False).checkpoint_dir
         ft_time = time.perf_counter() - t0
-        pruned, _ = load_model(run.pruned_dir)
-        tuned = run.model.eval()
-        plan = run.report.plan
-        shape = f"{plan.layer_heads[0]}/{plan.orig_heads[0]} heads, {plan.layer_ffn[0]}/{plan.orig_ffn[0]} FFN"
+        pruned, _ = load_model(out / "pruned")
+        tuned, _ = load_model(done)
+        plan = json.loads((out / "prune_report.json").read_text())
+        shape = f"{plan['layer_heads'][0]}/{plan['orig_heads'][0]} heads, {plan['layer_ffn'][0]}/{plan['orig_ffn'][0]} FFN"
         rows.append({"model": f"pruned {ratio:.1%}", "ratio": ratio, "shape": shape, "params": pruned.num_parameters(),
                      "eval_loss": eval_loss(pruned, batches)})
         tuned_loss = eval_loss(tuned, batches)
@@ -196,11 +215,13 @@ def main() -> int:
                      "params": tuned.num_parameters(), "eval_loss": tuned_loss, "ft_time_s": ft_time,
                      "vs_control": tuned_loss - control_loss})
         models[f"pruned {ratio:.1%}"] = tuned
-    speed = timed(models, args.batch, args.seq, args.rounds)
+    # 1 thread: the least disturbed by other processes (the work per core); all threads: the machine
+    speed1 = timed(models, args.batch, args.seq, args.rounds, 1)
+    speedn = timed(models, args.batch, args.seq, args.rounds, torch.get_num_threads())
     for r in rows:
         key = "dense" if r["ratio"] == 0 else f"pruned {r['ratio']:.1%}"
-        r["fwd_tokens_per_s"] = speed[key]
-        r["speedup"] = speed[key] / speed["dense"]
+        r["fwd_tokens_per_s_1thread"], r["speedup_1thread"] = speed1[key], speed1[key] / speed1["dense"]
+        r["fwd_tokens_per_s"], r["speedup"] = speedn[key], speedn[key] / speedn["dense"]
 
     # One-shot comparisons at 25 %: every criterion, and 2:4 sparsity (no fine-tuning).
     calib = eval_batches_from_train(dense_cfg, tok, 4)
@@ -220,18 +241,21 @@ def main() -> int:
     print(f"model: hidden 256, 4 layers, 8 heads x 32, FFN 1024, vocab 8192; dense {args.dense_steps} steps, "
           f"fine-tune {args.ft_steps} steps (batch {args.batch} x {args.seq}); eval {args.eval_batches} batches; "
           f"forward timing batch {args.batch} x {args.seq}, best of {args.rounds} rounds\n")
-    print("| model | shape | params | eval loss | ppl | loss − control | fwd tokens/s | vs dense |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    n = torch.get_num_threads()
+    print(f"| model | shape | params | eval loss | ppl | loss − control | fwd tok/s 1 thread | vs dense | "
+          f"fwd tok/s {n} threads | vs dense |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         gap = f"{r['vs_control']:+.3f}" if "vs_control" in r else ""
         print(f"| {r['model']} | {r.get('shape', '8 heads, 1024 FFN')} | {r['params'] / 1e6:.2f}M | {r['eval_loss']:.3f} | "
-              f"{math.exp(r['eval_loss']):.1f} | {gap} | {r['fwd_tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
+              f"{math.exp(r['eval_loss']):.1f} | {gap} | {r['fwd_tokens_per_s_1thread']:.0f} | "
+              f"{r['speedup_1thread']:.2f}x | {r['fwd_tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
     print("\n| one-shot (no fine-tuning) | eval loss |\n|---|---:|")
     for r in oneshot:
         print(f"| {r['method']} | {r['eval_loss']:.3f} |")
     (work / "prune_recovery.json").write_text(json.dumps({"args": vars(args), "rows": rows, "oneshot": oneshot,
                                                            "machine": cpu_name(), "total_s": total}, indent=2))
-    slower = [r["model"] for r in rows if r["ratio"] > 0 and "steps" in r["model"] and r["speedup"] <= 1.0]
+    slower = [r["model"] for r in rows if r["ratio"] > 0 and "steps" in r["model"] and r["speedup_1thread"] <= 1.0]
     if slower:
         print(f"\nWARNING: not faster than dense: {', '.join(slower)}", file=sys.stderr)
     return 0
