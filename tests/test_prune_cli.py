@@ -188,3 +188,18 @@ def test_prune_then_qat_in_one_run_and_qat_from_a_pruned_directory(run_cli, dens
     qmodel, qcfg = load_model(tmp_path / "q" / "step_2")
     assert (qcfg.Model.num_attention_heads, qcfg.Model.ffn_hidden_size) == (6, 192)
     assert any(type(m) is QuantLinear for m in qmodel.modules())
+
+
+def test_reference_345M_config_runs_on_any_pretrained_shape(run_cli, dense, tmp_path):
+    """`-c configs/prune_gpt_345M_single_card.yaml -o Compress.pretrained=DIR`: the shape comes from DIR."""
+    data = _data_overrides(dense)
+    code, out, err = run_cli("prune", "-c", ROOT / "configs" / "prune_gpt_345M_single_card.yaml",
+                             "-o", f"Compress.pretrained={dense}", "-o", f"Engine.save_load.output_dir={tmp_path}",
+                             "-o", "Engine.max_steps=1", "-o", "Engine.mix_precision.enable=False",
+                             "-o", "Global.local_batch_size=2", "-o", "Global.micro_batch_size=2",
+                             "-o", "Data.Train.dataset.max_seq_len=32", "-o", "Data.Eval.dataset.max_seq_len=32",
+                             "-o", "Global.device=cpu", "--no-progress", *data)
+    assert code == 0, err
+    assert "7 of 8 per layer" in out and "224 of 256 per layer" in out  # ratio 0.125 of the tiny model
+    _, cfg = load_model(tmp_path / "step_1")
+    assert (cfg.Model.hidden_size, cfg.Model.num_attention_heads, cfg.Optimizer.lr.max_lr) == (64, 7, 2.5e-5)
