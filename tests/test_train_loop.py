@@ -288,3 +288,17 @@ def test_resume_takes_shape_and_structure_from_the_checkpoint(tmp_path):
     from gptforge.config import load_config
 
     assert load_config(ckpt_dir=r.checkpoint_dir).Model.hidden_size == 64
+
+
+def test_eval_iterator_is_persistent(tmp_path):
+    t = Trainer(train_config(tmp_path, steps=2), tokenizer=small_tokenizer(), progress=False, echo=False)
+    ds = t.datasets["Eval"]
+    first, second = t.evaluate(1), t.evaluate(1)
+    assert (t.eval_consumed, t.eval_batches_done) == (8, 2)
+    from gptforge.data.dataset import collate
+
+    t.model.eval()
+    with torch.no_grad():
+        expect = [t.model(**{"input_ids": b["tokens"], "labels": b["labels"]}).loss.item()
+                  for b in (collate([ds[i] for i in range(k, k + 4)]) for k in (0, 4))]
+    assert [first, second] == pytest.approx(expect, rel=1e-6)
