@@ -154,7 +154,6 @@ def test_fp16_overflow_skips_update_and_lr_advance(tmp_path):
                        steps=4)
     t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
     _inject(t, 3, float("inf"))
-    t._build_datasets()
     it = t._batches("Train", 0)
     stats, snaps = [], []
     for _ in range(4):

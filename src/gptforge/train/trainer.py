@@ -301,7 +301,6 @@ class Trainer:
         """Mean loss over the next `iters` (default `eval_iters`) batches of the persistent
         eval iterator; each local batch in one forward pass (spec §2.5)."""
         iters = iters or self.cfg.Engine.eval_iters
-        self._build_datasets()
         if "Eval" not in self.datasets:
             raise ConfigError("no Eval dataset: set Data.Eval.dataset.input_dir or Engine.eval_iters=0")
         if getattr(self, "_eval_iter", None) is None:
@@ -350,7 +349,6 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run until `Engine.max_steps` steps are done; returns a `TrainResult`."""
         e, cfg = self.cfg.Engine, self.cfg
-        self._build_datasets()
         train_len = len(self.datasets["Train"])
         if self.par.is_main:
             ckpt.clean_stale_tmp(self.output_dir)
