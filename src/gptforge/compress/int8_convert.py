@@ -68,17 +68,21 @@ class ConvertResult:
     int8_bytes: int
 
 
+CHECK_ROWS, CHECK_TOKENS = 4, 256  # a sample big enough for the statistics, quick on a 345M model
+
+
 def _check_ids(cfg, tokenizer, vocab: int, echo: bool) -> tuple[torch.Tensor, str]:
-    """One micro-batch of the checkpoint's Train data; random ids when it has none here."""
+    """Up to 4 x 256 tokens of the checkpoint's first Train batch; random ids when it has no data here."""
     from gptforge.compress.ptq import calibration_batches
     from gptforge.errors import GPTForgeError
 
     try:
-        return calibration_batches(cfg, tokenizer, 1)[0]["tokens"], "Train batch 0"
+        ids = calibration_batches(cfg, tokenizer, 1)[0]["tokens"][:CHECK_ROWS, :CHECK_TOKENS]
+        return ids, "Train batch 0"
     except (GPTForgeError, OSError) as e:
         _notice(f"check on random token ids (the Train data is not available: {str(e).splitlines()[0][:120]})", echo)
         g = torch.Generator().manual_seed(0)
-        seq = min(cfg.Data.Train.dataset.max_seq_len, cfg.Model.max_position_embeddings, 256)
+        seq = min(cfg.Data.Train.dataset.max_seq_len, cfg.Model.max_position_embeddings, CHECK_TOKENS)
         return torch.randint(0, vocab, (2, seq), generator=g), "random ids"
 
 
