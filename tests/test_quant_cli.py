@@ -116,3 +116,23 @@ def test_user_errors_are_one_line(run_cli, float_run, tmp_path):
                            "-o", "Compress.Quantization.weight_quantize_type=kl")
     assert code == 2 and "Compress.Quantization.weight_quantize_type" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_qat_takes_the_shape_of_a_pruned_pretrained_model(float_run, tmp_path):
+    """Compress.pretrained with narrower layers than the run config's Model section (prune -> QAT)."""
+    from gptforge.compress.qat import qat
+    from gptforge.model import build_model
+    from gptforge.model_io import save_model_dir
+
+    root, _ = float_run
+    cfg = train_config(root, f"Engine.save_load.output_dir={tmp_path / 'qat'}", "Engine.eval_freq=100",
+                       "Engine.save_load.save_steps=-1", steps=2)
+    narrow = train_config(root, "Model.layer_num_heads=[3,4]", "Model.layer_ffn_sizes=[96,160]")
+    model = build_model(narrow.Model)
+    save_model_dir(model, narrow, tmp_path / "pruned", small_tokenizer())
+    cfg.Compress.pretrained = str(tmp_path / "pruned")
+    res = qat(cfg, progress=False, echo=False)
+    q, qcfg = load_model(res.checkpoint_dir)
+    assert qcfg.Model.layer_ffn_sizes == [96, 160] and qcfg.Model.layer_num_heads == [3, 4]
+    assert isinstance(q.blocks[0].linear1, QuantLinear) and q.blocks[0].linear1.out_features == 96
+    assert q.blocks[0].attn.qkv_proj.out_features == 3 * 3 * 16
