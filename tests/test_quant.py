@@ -267,3 +267,15 @@ def test_ptq_observers(algo):
     assert scales["blocks.0.linear1"] == pytest.approx(want, rel=1e-6)
     assert float(model.blocks[0].linear1.act_scale) == pytest.approx(want, rel=1e-6)
     assert all(m.observer is None for m in quant_modules(model).values())
+
+
+def test_recompute_does_not_update_the_moving_average_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    a, b = layer(), layer()
+    x = torch.randn(3, 16, requires_grad=True)
+    checkpoint(a, x, use_reentrant=False).sum().backward()
+    b(x).sum().backward()
+    assert float(a.act_state) == pytest.approx(1.9) and torch.equal(a.act_accum, b.act_accum)
+    torch.testing.assert_close(a.weight.grad, b.weight.grad)
+    torch.testing.assert_close(a.bias.grad, b.bias.grad)

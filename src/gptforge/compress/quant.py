@@ -198,6 +198,12 @@ def pact_clip(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- modules
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation recompute re-runs forwards there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class QuantLinear(nn.Linear):
     """An `nn.Linear` with fake-quantized input and weight (see the module docstring).
 
@@ -249,14 +255,16 @@ class QuantLinear(nn.Linear):
             self.pact_alpha.lr_mult = self.pact_lr_mult
 
     def act_step(self, x: torch.Tensor) -> torch.Tensor:
-        """The activation quantization step for this call (updates the moving average in training)."""
+        """The activation quantization step for this call (updates the moving average in training,
+        once per step: a recompute pass in backward reuses the forward's scale)."""
         qm = qmax_for(self.act_bits)
+        update = self.training and not _in_backward()
         if self.act_type == "abs_max":
             cur = x.detach().abs().amax().float().reshape(1)
-            if self.training:
+            if update:
                 self.act_scale.copy_(cur)
             return (cur / qm).clamp_min(EPS)
-        if self.training:
+        if update:
             with torch.no_grad():
                 r = self.moving_rate
                 self.act_state.mul_(r).add_(1.0)
