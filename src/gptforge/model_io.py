@@ -321,6 +321,7 @@ class _AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        _umask_modes(self.tmp)
         old = None
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
@@ -328,6 +329,15 @@ class _AtomicDir:
         os.replace(self.tmp, self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask_modes(d: Path) -> None:
+    """mkdtemp makes 0700 dirs (and safetensors 0600 files); give outputs the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(d, 0o777 & ~umask)
+    for f in d.rglob("*"):
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
 
 
 def state_dict_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:

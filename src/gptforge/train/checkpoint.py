@@ -18,7 +18,6 @@ the next run removes, and every `step_N` directory is complete.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -159,18 +158,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, cfg, to
         write_model_files(model, cfg, tmp, tokenizer)
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _default_permissions(tmp)
     prune_checkpoints(output_dir, keep_last)
     return dest
-
-
-def _default_permissions(d: Path) -> None:
-    """mkdtemp makes 0700 dirs (and safetensors 0600 files); give checkpoints the usual umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(d, 0o777 & ~umask)
-    for f in d.iterdir():
-        os.chmod(f, 0o666 & ~umask)
 
 
 def read_meta(path: str | Path) -> dict:
