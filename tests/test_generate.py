@@ -12,7 +12,15 @@ from torch import nn
 from gf_testutil import tiny_model
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
-from gptforge.generate import IncrementalDecoder, TorchBackend, generate, generate_ids, left_pad, stream
+from gptforge.generate import (
+    IncrementalDecoder,
+    TorchBackend,
+    generate,
+    generate_ids,
+    left_pad,
+    release_packed,
+    stream,
+)
 
 GREEDY = GenerationConfig(decode_strategy="greedy_search", max_dec_len=10)
 PROMPTS = [[5, 17, 300, 41, 9], [7, 1000, 12, 66, 2, 3, 4, 8, 90], [250, 251, 252]]
@@ -114,6 +122,27 @@ def test_prepacking_is_undone_after_generation(model):
     assert model.training
     assert not any("forward" in m.__dict__ for m in model.modules())
     model.eval()
+
+
+def test_packed_copies_follow_weight_changes():
+    from gptforge.generate.backend import _PACKED
+
+    m = _spread(tiny_model()[0], 3)
+    prev = generate_ids(m, PROMPTS, GREEDY, eos_token_id=EOS).tokens
+    lin = m.blocks[0].linear1
+    packed = _PACKED[lin].tensor
+    generate_ids(m, PROMPTS, GREEDY, eos_token_id=EOS)
+    assert _PACKED[lin].tensor is packed  # reused while the weights are unchanged
+    # A tracked in-place write (version counter), then one through .data (content fingerprint).
+    for change in (lambda w: w.mul_(-1.0), lambda w: w.data.mul_(0.3)):
+        with torch.no_grad():
+            change(lin.weight)
+        plain = generate_ids(m, PROMPTS, _cfg(fast_cpu_decode=False), eos_token_id=EOS).tokens
+        assert not torch.equal(plain, prev)  # the change matters, so a stale copy would show
+        assert torch.equal(generate_ids(m, PROMPTS, GREEDY, eos_token_id=EOS).tokens, plain)
+        prev = plain
+    release_packed(m)
+    assert lin not in _PACKED
 
 
 def test_top_k_1_sampling_equals_greedy(model):

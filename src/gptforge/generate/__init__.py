@@ -16,7 +16,7 @@ from gptforge.generate.api import (
     generate_ids,
     stream,
 )
-from gptforge.generate.backend import StepBackend, TorchBackend
+from gptforge.generate.backend import StepBackend, TorchBackend, release_packed
 from gptforge.generate.processors import (
     NO_TOKEN,
     MinNewTokens,
@@ -31,6 +31,6 @@ from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, le
 
 __all__ = [
     "GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "generate", "generate_ids", "stream",
-    "StepBackend", "TorchBackend", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
+    "StepBackend", "TorchBackend", "release_packed", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
     "Temperature", "TopK", "TopP", "VocabLimit", "PromptBatch", "SearchOutput", "TokenDecoder", "left_pad",
 ]
