@@ -95,16 +95,18 @@ def run_ours(model, ids: torch.Tensor, new: int) -> torch.Tensor:
     return generate_ids(model, ids.tolist(), cfg, eos_token_id=50256).tokens
 
 
-def measure(fn, ids, new: int, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(best seconds for `new` tokens, best seconds for 1 token = prefill, tokens)."""
+def measure(fn, ids, new: int, repeats: int) -> tuple[float, float, float, torch.Tensor]:
+    """Best of `repeats`: (seconds for `new` tokens, seconds for 1 token = prefill, seconds per
+    decode step from back-to-back pairs of those two runs, tokens)."""
     fn(ids, 2)  # warm-up: allocator, oneDNN kernels, lazy imports
-    first = min(_timed(lambda: fn(ids, 1)) for _ in range(repeats))
-    times, out = [], None
+    full, first, step, out = [], [], [], None
     for _ in range(repeats):
+        first.append(_timed(lambda: fn(ids, 1)))
         t = time.perf_counter()
         out = fn(ids, new)
-        times.append(time.perf_counter() - t)
-    return min(times), first, out
+        full.append(time.perf_counter() - t)
+        step.append((full[-1] - first[-1]) / (new - 1))
+    return min(full), min(first), min(step), out
 
 
 def main(argv=None) -> int:
@@ -132,12 +134,11 @@ def main(argv=None) -> int:
     rows = []
     for B in (int(b) for b in args.batches.split(",")):
         ids = torch.randint(0, 50256, (B, args.prompt), generator=g)
-        t_ours, p_ours, out_ours = measure(lambda x, n: run_ours(ours, x, n), ids, args.new_tokens, args.repeats)
-        t_hf, p_hf, out_hf = measure(lambda x, n: run_hf(hf, x, n), ids, args.new_tokens, args.repeats)
+        t_ours, p_ours, step_ours, out_ours = measure(lambda x, n: run_ours(ours, x, n), ids, args.new_tokens,
+                                                      args.repeats)
+        t_hf, p_hf, step_hf, out_hf = measure(lambda x, n: run_hf(hf, x, n), ids, args.new_tokens, args.repeats)
         same = torch.equal(out_ours, out_hf)
         n = B * args.new_tokens
-        step_ours = (t_ours - p_ours) / (args.new_tokens - 1)
-        step_hf = (t_hf - p_hf) / (args.new_tokens - 1)
         rows.append((B, n / t_ours, n / t_hf, p_ours, p_hf, step_ours, step_hf, same))
         print(f"batch {B}: ours {n / t_ours:.1f} tok/s, transformers {n / t_hf:.1f} tok/s "
               f"-> {t_hf / t_ours:.2f}x; outputs identical: {same}", flush=True)
@@ -155,6 +156,10 @@ def main(argv=None) -> int:
         print(f"\nbatch 1 vs the weight-streaming limit ({limit_tps:.1f} tok/s, {lim * 1e3:.1f} ms/token):")
         print(f"  decode steps: ours {lim / sa:.0%} of the limit, transformers {lim / sb:.0%}")
         print(f"  end to end (prefill included): ours {a / limit_tps:.0%}, transformers {b / limit_tps:.0%}")
+    load = os.getloadavg()[0]
+    if load > 1.5:
+        print(f"\nnote: load average {load:.2f} at the end: other processes competed for the 2 cores; "
+              "rerun on a quiet machine for representative figures")
     ok = all(r[-1] for r in rows)
     if not ok:
         print("ERROR: outputs differ from transformers", file=sys.stderr)
