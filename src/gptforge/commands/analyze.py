@@ -1,16 +1,90 @@
-"""`gptforge analyze`: Per-layer quantization sensitivity analysis."""
+"""`gptforge analyze`: per-layer quantization sensitivity (spec §9, PaddleSlim AnalysisQAT).
+
+    gptforge analyze --qat-ckpt output_qat --float-ckpt runs/float/step_1000 --eval-path lambada_test.jsonl \\
+        -o Offline_Eval.cloze_eval=True --top-k 7
+    gptforge analyze --qat-ckpt output_qat --float-ckpt runs/float/step_1000 --metric loss --batches 16
+    gptforge analyze --qat-ckpt output_qat --metric cosine          # no eval set: the output-distance proxy
+    gptforge analyze --mode ptq --float-ckpt runs/float/step_1000 --metric kl
+
+Writes <out>/analysis.txt (the reference's lines, most sensitive first), analysis.json (both
+layer names, values; also the resumable progress), analysis.png (the ranking) and, with
+--top-k N, skip_tensor_map.yaml plus the `-o` override and `gptforge qat` command that re-run
+QAT with those layers float. An interrupted run resumes where it stopped.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from gptforge.commands.common import add_config_args
-from gptforge.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    p.description = ("Quantization sensitivity: for each quantized Linear, evaluate the model with that layer's "
+                     "quantization off (qat mode; weight restored from the float baseline, as PaddleSlim's "
+                     "AnalysisQAT) or with only that layer quantized (ptq mode), rank the layers and write the "
+                     "skip list for the next QAT run.")
+    add_config_args(p, ckpt=False)
+    p.add_argument("--qat-ckpt", "--ckpt", dest="qat_ckpt", metavar="DIR", help=(
+        "the fake-quant model to analyse: a QAT checkpoint (step_N or a run directory) or a PTQ directory; its "
+        "config and tokenizer are used, so -c is optional"))
+    p.add_argument("--float-ckpt", metavar="DIR", help=(
+        "the float baseline (the model QAT started from): qat mode copies its weight into each de-quantized layer "
+        "and measures its metric; ptq mode quantizes and calibrates it"))
+    p.add_argument("--mode", choices=("qat", "ptq"), default="qat", help=(
+        "qat (default): leave one layer's quantization out at a time; ptq: quantize only one layer at a time"))
+    p.add_argument("--metric", default="auto", choices=("auto", "acc", "ppl", "loss", "cosine", "kl"), help=(
+        "acc: LAMBADA accuracy x100; ppl: WikiText perplexity (both on Offline_Eval.eval_path); loss: mean token "
+        "loss on Eval-split batches; cosine / kl: distance of the logits to the float model's on Train-split "
+        "batches. auto: acc or ppl (by Offline_Eval.cloze_eval) when an eval file is set, else cosine"))
+    p.add_argument("--eval-path", metavar="FILE", help="= -o Offline_Eval.eval_path=FILE")
+    p.add_argument("--batches", type=int, metavar="N", help=(
+        "batches for loss (default Engine.eval_iters) and cosine/kl (default Compress.Quantization.calib_batches)"))
+    p.add_argument("--layers", nargs="+", metavar="NAME", help=(
+        "analyse only these layers: our names, linear_N names or globs (blocks.*.linear2)"))
+    p.add_argument("--top-k", type=int, metavar="N", help=(
+        "write skip_tensor_map.yaml leaving the N most sensitive layers float, and print the -o override and "
+        "gptforge qat command"))
+    p.add_argument("--out", default="analysis_results", metavar="DIR", help="output directory (default: %(default)s)")
+    p.add_argument("--no-resume", action="store_true", help=(
+        "start over even if <out>/analysis.json holds progress for the same inputs (default: resume it)"))
+    p.add_argument("--no-plot", action="store_true", help="do not write analysis.png")
+    p.add_argument("--show", type=int, default=20, metavar="N", help="rows of the ranking printed (default 20; 0 = all)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge analyze` is not implemented yet")
+    from gptforge.compress.sensitivity_report import table_lines
+    from gptforge.compress.sensitivity_run import run_analysis
+    from gptforge.config import load_config
+    from gptforge.errors import UsageError
+
+    if not args.qat_ckpt and not args.float_ckpt:
+        raise UsageError("give the model to analyse with --qat-ckpt DIR (qat mode), or --mode ptq --float-ckpt DIR")
+    overrides = list(args.override)
+    if args.eval_path:
+        overrides.append(f"Offline_Eval.eval_path={args.eval_path}")
+    cfg = load_config(args.config, overrides, ckpt_dir=args.qat_ckpt or args.float_ckpt)
+    res = run_analysis(cfg, qat_ckpt=args.qat_ckpt, float_ckpt=args.float_ckpt, mode=args.mode, metric=args.metric,
+                       out_dir=args.out, batches=args.batches, layers=args.layers, top_k=args.top_k,
+                       resume=not args.no_resume, plot=not args.no_plot, progress=not args.no_progress,
+                       config_file=args.config)
+    a = res.analysis
+    base = "QAT model" if a.mode == "qat" else "float model"
+    head = f"gptforge analyze: {a.mode} mode, {a.metric_label}: {base} {a.base_value:.6g}"
+    if a.mode == "qat" and a.float_value is not None:
+        head += f", float baseline {a.float_value:.6g}"
+    print(head + (f" ({a.resumed} layers resumed)" if a.resumed else ""))
+    for line in table_lines(a, args.show or None):
+        print(line)
+    for note in res.notes:
+        print(f"note: {note}")
+    print("wrote " + ", ".join(str(p) for p in res.files.values()))
+    if res.top_k is None:
+        if res.suggested_k:
+            print(f"the top {res.suggested_k} layers carry half of the positive sensitivity; "
+                  f"--top-k {res.suggested_k} writes their skip_tensor_map")
+    else:
+        print(f"skip the top {res.top_k} in the next QAT run: -o {res.override}")
+        print(f"  {res.qat_command}")
+    return 0
