@@ -1,0 +1,169 @@
+"""What the export formats share: what kind of model a checkpoint holds, folding its
+quantization into float weights, the precision an export uses, and quiet exporters.
+
+Kinds of model an export meets (`model_kind`):
+- `float`: a plain GPT, dense or pruned (fewer heads / narrower FFNs per layer);
+- `fake-quant`: a QAT or PTQ model (`QuantLinear`, optionally `QuantEmbedding`);
+- `int8`: a converted INT8 model (`gptforge quantize --convert`: `Int8Linear`, `Int8Embedding`).
+
+`fold_quantization` turns the last two into a plain float GPT holding the weights the
+quantized model multiplies with (fake-quant weights = their dequantized values; INT8 weights
+x steps). Activations stay float: the result equals the quantized model with activation
+quantization switched off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gptforge.errors import CheckpointError, UsageError
+
+FLOAT, FAKE_QUANT, INT8 = "float", "fake-quant", "int8"
+PRECISIONS = ("auto", "fp32", "int8")
+META_FILE = "gptforge_export.json"  # what an ONNX / torch.export directory holds (format, precision, shapes)
+_QUANT_STATE = (".act_scale", ".act_accum", ".act_state", ".pact_alpha", ".weight_scale", ".input_scale")
+
+
+def model_kind(model: nn.Module) -> str:
+    """`float`, `fake-quant` or `int8` (see the module docstring)."""
+    from gptforge.compress.int8 import Int8Embedding, Int8Linear
+    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+
+    kinds = {type(m) for m in model.modules()}
+    if kinds & {Int8Linear, Int8Embedding}:
+        return INT8
+    if kinds & {QuantLinear, QuantEmbedding}:
+        return FAKE_QUANT
+    return FLOAT
+
+
+def resolve_precision(requested: str, kind: str) -> str:
+    """`fp32` or `int8` for an export of a `kind` model (`auto`: int8 exactly when the model
+    is quantized)."""
+    if requested not in PRECISIONS:
+        raise UsageError(f"--precision {requested!r}: choose one of {', '.join(PRECISIONS)}")
+    if requested == "auto":
+        return "int8" if kind != FLOAT else "fp32"
+    if requested == "int8" and kind == FLOAT:
+        raise UsageError("--precision int8 needs a quantized checkpoint (QAT, PTQ or `gptforge quantize --convert`); "
+                         "this one is a float model: run `gptforge qat` / `gptforge ptq` first or export fp32")
+    return requested
+
+
+@torch.no_grad()
+def folded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The float state dict of `model` with quantization folded (see the module docstring)."""
+    from gptforge.compress.int8 import Int8Embedding, Int8Linear
+    from gptforge.compress.quant import QuantEmbedding, QuantLinear, fake_quant_weight
+
+    sd = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith(_QUANT_STATE)}
+    for name, mod in model.named_modules():
+        key = f"{name}.weight"
+        if isinstance(mod, QuantLinear):
+            sd[key] = (mod.quantized_weight() if mod.weight_quant_enabled else mod.weight).detach()
+        elif isinstance(mod, QuantEmbedding) and mod.weight_quant_enabled:
+            sd[key] = fake_quant_weight(mod.weight.detach(), mod.weight_bits, True)
+        elif isinstance(mod, (Int8Linear, Int8Embedding)):
+            sd[key] = mod.dequantized_weight()
+    return {k: v.float() if v.is_floating_point() or v.dtype == torch.int8 else v for k, v in sd.items()}
+
+
+def fold_quantization(model: nn.Module) -> nn.Module:
+    """A plain float GPT (new module, eval mode) computing what `model` computes with
+    activation quantization off; a float model is returned as it is."""
+    from gptforge.model import build_model
+    from gptforge.model_io import load_state_dict_checked
+
+    if model_kind(model) == FLOAT:
+        return model
+    plain = build_model(model.config, device="meta")
+    load_state_dict_checked(plain, {k: v.clone() for k, v in folded_state_dict(model).items()}, "quantized model")
+    return plain.eval()
+
+
+def check_plain_linears(model: nn.Module, what: str) -> None:
+    """Refuse structures an export does not know how to write (wrapped or replaced layers)."""
+    from gptforge.compress.int8 import Int8Embedding, Int8Linear
+    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+
+    known = (nn.Linear, QuantLinear, Int8Linear)
+    for i, blk in enumerate(model.blocks):
+        for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
+            mod = blk.get_submodule(name)
+            if not isinstance(mod, known):
+                raise UsageError(f"blocks.{i}.{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "
+                                 "and INT8 Linear layers only")
+    if not isinstance(model.wte, (nn.Embedding, QuantEmbedding, Int8Embedding)):
+        raise UsageError(f"wte is a {type(model.wte).__name__}: {what} cannot write it")
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """Silence torch.export / torch.onnx progress prints and warnings that do not concern the
+    user (e.g. `torchvision is not installed. Skipping torchvision::nms`)."""
+    names = ("torch.onnx", "torch.export", "torch._dynamo", "torch._export", "torch.fx.experimental.symbolic_shapes",
+             "onnxscript")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lvl in zip(loggers, levels, strict=True):
+            lg.setLevel(lvl)
+
+
+# ------------------------------------------------------------------ export directories
+
+
+def read_export_dir(path: str | os.PathLike, fmt: str = "onnx") -> tuple[Path, dict]:
+    """(directory, its gptforge_export.json) for an export of format `fmt`, with one-line
+    errors for a missing directory, a missing model or another format."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: not found; export one with `gptforge export --format {fmt} --ckpt DIR --out {p}`")
+    if p.is_file():
+        p = p.parent
+    meta_path = p / META_FILE
+    model = p / ("model.onnx" if fmt == "onnx" else "model.pt2")
+    if not model.is_file():
+        hint = " (it is a model directory: export it first)" if (p / "config.yaml").is_file() or \
+            (p / "config.json").is_file() else ""
+        raise CheckpointError(f"{p}: no {model.name} here{hint}; run `gptforge export --format {fmt} --ckpt DIR --out {p}`")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{p}: {META_FILE} is missing; re-export with `gptforge export --format {fmt}`")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path}: unreadable JSON ({e})") from None
+    if meta.get("format") != fmt:
+        raise CheckpointError(f"{p}: holds a {meta.get('format')!r} export, not {fmt}")
+    return p, meta
+
+
+def load_export_config(path: str | os.PathLike, config_file: str | None = None, overrides=()):
+    """The export's config.yaml, then a `-c` file (its Model shape keys ignored), then `-o`."""
+    from gptforge.config import ARCH_KEYS, apply_overrides, build_config, load_raw, resolve
+    from gptforge.config.loader import apply_preset, deep_merge
+
+    p = Path(path)
+    raw = load_raw(p / "config.yaml") if (p / "config.yaml").is_file() else {}
+    if config_file:
+        file_raw = load_raw(config_file)
+        if isinstance(file_raw.get("Model"), dict):
+            file_raw["Model"] = {k: v for k, v in file_raw["Model"].items() if k not in ARCH_KEYS and k != "preset"}
+        raw = deep_merge(raw, file_raw)
+    raw = apply_overrides(raw, overrides)
+    return resolve(build_config(apply_preset(raw)))

@@ -1,0 +1,155 @@
+"""Generation with an exported ONNX model in onnxruntime: a `StepBackend` for the decode loops
+of `gptforge.generate`, so every Generation option works and greedy output equals PyTorch's.
+
+    from gptforge.export import load_onnx_dir
+    backend, cfg, tokenizer = load_onnx_dir("out/onnx")
+    res = generate(backend, tokenizer, ["Hello"], cfg.Generation)
+
+The cache is the list of `present_*` arrays the previous step returned, fed back as `past_*`.
+
+INT8 GEMMs (`int8_gemm`). onnxruntime fuses each QDQ MatMul into an int8 GEMM
+(`MatMulIntegerToFloat`). Graphs stored as uint8 (the default, `qdq.py`) use its u8·u8 kernel,
+exact on every CPU. Graphs stored as int8 use its s8 kernel, which on x86 CPUs without VNNI
+(AVX2 only) adds pairs of u8·s8 products into saturating int16 (`vpmaddubsw`) and is far off
+for full-range weights. `auto` therefore fuses unless the graph is int8 and the CPU lacks VNNI;
+then (`off`) the QDQ graph runs as written (`session.disable_quant_qdq`: activations are still
+rounded to their int8 steps, the products run in fp32, exact but no faster than fp32). `on`
+forces the fusion.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptforge.errors import CheckpointError, UsageError
+from gptforge.export.common import META_FILE, load_export_config, read_export_dir
+
+INT8_GEMM = ("auto", "on", "off")
+
+
+@functools.lru_cache(maxsize=1)
+def s8_gemm_is_exact() -> bool:
+    """Whether onnxruntime's s8 GEMMs compute exactly on this CPU (see the module docstring)."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return True
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+def int8_gemm_mode(meta: dict, requested: str = "auto") -> str:
+    """`on`, `off` or `n/a` (an fp32 graph) for an export described by `meta`."""
+    if requested not in INT8_GEMM:
+        raise UsageError(f"--int8-gemm {requested!r}: choose one of {', '.join(INT8_GEMM)}")
+    if meta.get("precision") != "int8":
+        return "n/a"
+    if requested != "auto":
+        return requested
+    return "on" if meta.get("qdq_dtype", "int8") == "uint8" or s8_gemm_is_exact() else "off"
+
+
+def make_session(path: str | os.PathLike, meta: dict, *, int8_gemm: str = "auto", threads: int | None = None):
+    """(onnxruntime InferenceSession on CPU, the int8 GEMM mode used)."""
+    import onnxruntime as ort
+
+    mode = int8_gemm_mode(meta, int8_gemm)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3  # errors only: no optimizer chatter on stderr
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    if mode == "off":
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
+    try:
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise CheckpointError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:200]})") from None
+    return sess, mode
+
+
+def session_runner(sess, names: list[str]):
+    """`run(list of torch tensors) -> list of torch tensors` over an onnxruntime session."""
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        feeds = {n: t.numpy() for n, t in zip(names, inputs, strict=True)}
+        return [torch.from_numpy(o) for o in sess.run(None, feeds)]
+
+    return run
+
+
+class OrtCache:
+    """past_* arrays, [B, heads_i, past, head_dim] each, key then value per layer."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+
+    @property
+    def length(self) -> int:
+        return int(self.arrays[0].shape[2])
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+class OrtBackend:
+    """`gptforge.generate.StepBackend` over an exported ONNX model (see the module docstring)."""
+
+    def __init__(self, model_path: str | os.PathLike, meta: dict, *, int8_gemm: str = "auto",
+                 threads: int | None = None):
+        self.meta = meta
+        self.device = torch.device("cpu")
+        self.vocab_size = int(meta["vocab_size"])
+        self.max_positions = int(meta["max_positions"])
+        self.heads = [int(h) for h in meta["layer_heads"]]
+        self.head_dim = int(meta["head_dim"])
+        self.session, self.int8_gemm = make_session(model_path, meta, int8_gemm=int8_gemm, threads=threads)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        if self.input_names != list(meta["inputs"]):
+            raise CheckpointError(f"{model_path}: its inputs ({', '.join(self.input_names[:5])}, ...) are not the "
+                                  f"ones {META_FILE} describes; re-export the model")
+
+    def new_cache(self, batch_size: int, max_len: int) -> OrtCache:
+        del max_len  # the cache grows by concatenation
+        arrays = []
+        for h in self.heads:
+            z = np.zeros((batch_size, h, 0, self.head_dim), dtype=np.float32)
+            arrays += [z, z]
+        return OrtCache(arrays)
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             cache: OrtCache) -> torch.Tensor:
+        B, T = input_ids.shape
+        mask = np.ones((B, cache.length + T), dtype=np.int64) if attention_mask is None else _np(attention_mask)
+        feeds: dict[str, Any] = {"input_ids": _np(input_ids), "position_ids": _np(position_ids),
+                                 "attention_mask": mask, "logits_index": np.array([T - 1], dtype=np.int64)}
+        feeds.update(zip(self.input_names[4:], cache.arrays, strict=True))
+        out = self.session.run(None, feeds)
+        cache.arrays = out[1:]
+        return torch.from_numpy(out[0][:, -1])
+
+    def reorder(self, cache: OrtCache, index: torch.Tensor) -> OrtCache:
+        idx = index.detach().cpu().numpy()
+        cache.arrays = [a[idx] for a in cache.arrays]
+        return cache
+
+
+def load_onnx_dir(path: str | os.PathLike, cfg=None, *, int8_gemm: str = "auto", threads: int | None = None):
+    """(OrtBackend, config, tokenizer) from a `gptforge export --format onnx` directory.
+    `cfg` (optional) replaces the directory's config.yaml (its Generation section matters)."""
+    from gptforge.data.tokenizer import load_tokenizer
+
+    p, meta = read_export_dir(path, "onnx")
+    if cfg is None:
+        cfg = load_export_config(p)
+    backend = OrtBackend(p / "model.onnx", meta, int8_gemm=int8_gemm, threads=threads)
+    # The export's own tokenizer files first: Data.tokenizer may name a path of another machine.
+    own = (p / "tokenizer.json").is_file() or (p / "vocab.json").is_file()
+    return backend, cfg, load_tokenizer(None, p) if own else load_tokenizer(cfg.Data.tokenizer)
