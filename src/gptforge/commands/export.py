@@ -1,4 +1,13 @@
-"""`gptforge export`: Export to HF / ONNX / torch.export."""
+"""`gptforge export`: a model directory as an HF `transformers` directory, ONNX or torch.export.
+
+    gptforge export --format hf --ckpt DIR --out hf/ [--max-shard-size 500MB]
+    gptforge export --format onnx --ckpt DIR --out onnx/                 # fp32, or INT8 QDQ from a QAT/PTQ/INT8 model
+    gptforge export --format torch --ckpt DIR --out pt2/
+    gptforge infer --onnx onnx/ --prompt "Hello"
+
+ONNX and torch exports are checked against the PyTorch model before anything is written
+(docs/export.md).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +16,114 @@ import argparse
 from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
+FORMATS = ("hf", "onnx", "torch")
+EXTRA_HINT = "pip install 'gptforge[export]' (onnx, onnxruntime, onnxscript)"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    p.description = ("Export a model directory (dense, pruned, QAT/PTQ or INT8) as an HF transformers GPT-2 directory, "
+                     "an ONNX model with past keys/values (fp32, or INT8 QDQ from a quantized model), or a "
+                     "torch.export program (.pt2).")
+    add_config_args(p, ckpt_help="the model directory to export (ours, HF GPT-2, .pdparams, QAT/PTQ, INT8, pruned)")
+    p.add_argument("--format", required=True, metavar="{hf,onnx,torch}", help="hf | onnx | torch")
+    p.add_argument("--out", metavar="DIR", help="output directory (written atomically)")
+    p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
+                   help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
+                        "model's weights (activations stay float)")
+    p.add_argument("--qdq-dtype", default="uint8", choices=("uint8", "int8"),
+                   help="onnx int8: store the integers as uint8 + 128 (default; onnxruntime's exact u8 kernels) or "
+                        "as int8 (the reference's form; inexact fused kernels on AVX2 without VNNI)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="hf: split model.safetensors into shards of at most SIZE (e.g. 500MB; default 5GB)")
+    p.add_argument("--no-check", action="store_true", help="onnx/torch: skip the check against the PyTorch model")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+
+
+def check_export_extra() -> None:
+    """The `export` extra is importable, or a one-line error naming the install command."""
+    for name in ("onnx", "onnxruntime", "onnxscript"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise UsageError(f"--format onnx needs the {name} package, which is not installed: {EXTRA_HINT}") from None
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.format not in FORMATS:
+        raise UsageError(f"--format {args.format!r}: choose one of {', '.join(FORMATS)}")
+    if not args.ckpt:
+        raise UsageError("give the model to export with --ckpt DIR")
+    if not args.out:
+        raise UsageError("give the output directory with --out DIR")
+    if args.format == "hf":
+        if args.precision != "auto":
+            raise UsageError("--precision applies to --format onnx/torch; an HF export is always float "
+                             "(quantized weights are folded)")
+        if args.no_check:
+            raise UsageError("--no-check applies to --format onnx/torch")
+    elif args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --format hf")
+    if args.format != "onnx" and args.qdq_dtype != "uint8":
+        raise UsageError("--qdq-dtype applies to --format onnx")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge export` is not implemented yet")
+    from gptforge.commands.common import config_from_args, ensure_out_dir, load_model_and_tokenizer
+    from gptforge.export.common import PRECISIONS
+    from gptforge.model_io import resolve_checkpoint_path
+
+    _validate(args)
+    if args.precision not in PRECISIONS:
+        raise UsageError(f"--precision {args.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if args.max_shard_size is not None:
+        from gptforge.export.hf import parse_size
+
+        parse_size(args.max_shard_size)
+    resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
+    ensure_out_dir(args.out, args.force)
+    if args.format == "onnx":
+        check_export_extra()
+    cfg = config_from_args(args)
+    model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
+    # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
+    if args.format == "hf":
+        return _hf(model, cfg, tok, args)
+    return _program(model, cfg, tok, args)
+
+
+def _hf(model, cfg, tok, args) -> int:
+    from gptforge.export.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
+
+    r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
+                max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
+    shards = [f for f in r.files if f.endswith(".safetensors")]
+    notes = []
+    if r.source_kind != "float":
+        notes.append(f"{r.source_kind} model: weights folded to float, activations float")
+    if r.zero_padded:
+        notes.append("per-layer shapes zero-padded to GPT-2's uniform shape")
+    print(f"gptforge export: hf, {len(shards)} weight file(s), n_head {r.n_head}, n_inner {r.n_inner}"
+          f"{'; ' + '; '.join(notes) if notes else ''} -> {r.out_dir}")
+    return 0
+
+
+def _program(model, cfg, tok, args) -> int:
+    if args.format == "onnx":
+        from gptforge.export.onnx import export_onnx
+
+        r = export_onnx(model, args.out, tok, cfg=cfg, precision=args.precision, qdq_dtype=args.qdq_dtype,
+                        check=not args.no_check, overwrite=True)
+    else:
+        from gptforge.export.torch_export import export_torch
+
+        r = export_torch(model, args.out, tok, cfg=cfg, precision=args.precision, check=not args.no_check,
+                         overwrite=True)
+    c = r.check
+    check = (f"; check on {c['positions']} positions (prefill {c['prefill_tokens']} + {c['decode_steps']} cached "
+             f"steps): max |logit diff| {c['max_abs_diff']:.2e}, argmax agreement {100 * c['argmax_agreement']:.2f}%"
+             if c else "; not checked")
+    src = f" from a {r.source_kind} model" if r.source_kind != "float" else ""
+    gemm = f", int8 GEMMs {c['int8_gemm']}" if c.get("int8_gemm") not in (None, "n/a") else ""
+    print(f"gptforge export: {args.format} {r.precision}{src}, {r.num_layers} layers{check}{gemm} "
+          f"({r.seconds:.1f} s) -> {r.out_dir}")
+    return 0

@@ -22,6 +22,11 @@ from gptforge.errors import DataError, UsageError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
+    add_prompt_arguments(p)
+
+
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """The prompt and output options (shared with `gptforge infer`)."""
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -82,24 +87,36 @@ def _payload(cfg, results) -> dict:
             "new_tokens": sum(r.new_tokens for r in results), "seconds": sum(r.seconds for r in results)}
 
 
+def stream_mode(args: argparse.Namespace, g, prompts: list[str]) -> bool:
+    """Whether to stream (`--stream` / the default), checked against the Generation settings."""
+    one_sequence = g.decode_strategy != "beam_search" and g.num_return_sequences == 1
+    if args.stream and not one_sequence:
+        raise UsageError("--stream needs one sequence per prompt from greedy_search or sampling; "
+                         "drop --stream (beam search and num_return_sequences > 1 print when done)")
+    return args.stream if args.stream is not None else (one_sequence and len(prompts) == 1)
+
+
 def run(args: argparse.Namespace) -> int:
     from gptforge.commands.common import load_model_and_tokenizer
-    from gptforge.generate import check_config, generate, stream
+    from gptforge.generate import check_config
 
     require_ckpt(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
     prompts = read_prompts(args)
     cfg = config_from_args(args)
-    g = cfg.Generation
-    check_config(g)
-    one_sequence = g.decode_strategy != "beam_search" and g.num_return_sequences == 1
-    if args.stream and not one_sequence:
-        raise UsageError("--stream needs one sequence per prompt from greedy_search or sampling; "
-                         "drop --stream (beam search and num_return_sequences > 1 print when done)")
-    do_stream = args.stream if args.stream is not None else (one_sequence and len(prompts) == 1)
+    check_config(cfg.Generation)
+    do_stream = stream_mode(args, cfg.Generation, prompts)
     model, cfg, tok = load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+    return emit(model, tok, prompts, cfg, args, do_stream, "generate")
 
+
+def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str) -> int:
+    """Generate with `model` (our GPT or a StepBackend) and print as `gptforge generate` does
+    (shared with `gptforge infer`)."""
+    from gptforge.generate import generate, stream
+
+    g = cfg.Generation
     results = []
     if do_stream:
         for prompt in prompts:
@@ -124,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
                 print(prompt + text)
     new = sum(r.new_tokens for r in results)
     secs = sum(r.seconds for r in results)
-    print(f"gptforge generate: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
+    print(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
           f"({new / max(secs, 1e-9):.1f} tokens/s)", file=sys.stderr)
     if args.json:
         _write_json(args.json, _payload(cfg, results))
-        print(f"gptforge generate: wrote {args.json}", file=sys.stderr)
+        print(f"gptforge {verb}: wrote {args.json}", file=sys.stderr)
     return 0

@@ -1,16 +1,57 @@
-"""`gptforge infer`: Generate with an exported ONNX model."""
+"""`gptforge infer`: generate text with an exported ONNX model in onnxruntime.
+
+    gptforge export --format onnx --ckpt DIR --out onnx/
+    gptforge infer --onnx onnx/ --prompt "Hello" [-o Generation.decode_strategy=greedy_search]
+    gptforge infer --onnx onnx/ --prompt-file prompts.txt --json out.json --batch-size 8
+
+The counterpart of the reference's inference engine. Generation options, prompts, streaming and
+output are those of `gptforge generate`; the Generation defaults come from the config saved
+with the export (docs/infer.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from gptforge.commands.common import add_config_args
+from gptforge.commands.generate import add_prompt_arguments
 from gptforge.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Generate text with a `gptforge export --format onnx` directory in onnxruntime (fp32 or INT8), "
+                     "with the options of `gptforge generate`.")
     add_config_args(p, ckpt=False)
+    p.add_argument("--onnx", metavar="DIR", help="a `gptforge export --format onnx` output directory")
+    add_prompt_arguments(p)
+    p.add_argument("--threads", type=int, metavar="N", help="onnxruntime intra-op threads (default: its own choice)")
+    p.add_argument("--int8-gemm", default="auto", choices=("auto", "on", "off"),
+                   help="INT8 models: fuse QDQ MatMuls into onnxruntime's int8 GEMMs (auto: where they are exact "
+                        "on this CPU; see docs/infer.md)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("`gptforge infer` is not implemented yet")
+    from gptforge.commands.export import EXTRA_HINT
+    from gptforge.commands.generate import emit, read_prompts, stream_mode
+    from gptforge.export.common import load_export_config, read_export_dir
+    from gptforge.generate import check_config
+
+    if not args.onnx:
+        raise UsageError("give the exported model with --onnx DIR (made by `gptforge export --format onnx`)")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads: must be >= 1, got {args.threads}")
+    prompts = read_prompts(args)
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        raise UsageError(f"gptforge infer needs onnxruntime, which is not installed: {EXTRA_HINT}") from None
+    path, _ = read_export_dir(args.onnx, "onnx")
+    cfg = load_export_config(path, args.config, args.override)
+    check_config(cfg.Generation)
+    do_stream = stream_mode(args, cfg.Generation, prompts)
+    from gptforge.export.ort_generate import load_onnx_dir
+
+    backend, cfg, tok = load_onnx_dir(path, cfg, int8_gemm=args.int8_gemm, threads=args.threads)
+    return emit(backend, tok, prompts, cfg, args, do_stream, "infer")
