@@ -4,6 +4,7 @@ fake-quant one whose activation scales were learned by QAT's own moving-average 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -66,3 +67,18 @@ def save(model, cfg, path: Path) -> Path:
     """A model directory (ours) with the small tokenizer."""
     save_model_dir(model, cfg, path, small_tokenizer())
     return path
+
+
+@functools.cache
+def exported(root: str, name: str) -> tuple[Path, Path]:
+    """(model directory, its `gptforge export --format onnx` directory), made once per test
+    session under `root` (the session's base temp dir) and shared by the export and infer
+    tests: `pruned` (fp32, per-layer head counts) or `qat` (INT8 QDQ)."""
+    from gptforge.cli import main
+
+    base = Path(root) / f"shared_{name}"
+    model, cfg = pruned_model() if name == "pruned" else qat_model()
+    src = save(model, cfg, base / "model")
+    code = main(["export", "--format", "onnx", "--ckpt", str(src), "--out", str(base / "onnx")])
+    assert code == 0
+    return src, base / "onnx"

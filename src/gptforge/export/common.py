@@ -130,26 +130,27 @@ def quiet_exporter():
 
 def read_export_dir(path: str | os.PathLike, fmt: str = "onnx") -> tuple[Path, dict]:
     """(directory, its gptforge_export.json) for an export of format `fmt`, with one-line
-    errors for a missing directory, a missing model or another format."""
+    errors for a missing directory, a model directory, another format or a missing model."""
     p = Path(path)
+    fix = f"`gptforge export --format {fmt} --ckpt DIR --out {p}`"
     if not p.exists():
-        raise CheckpointError(f"{p}: not found; export one with `gptforge export --format {fmt} --ckpt DIR --out {p}`")
+        raise CheckpointError(f"{p}: not found; export a model there with {fix}")
     if p.is_file():
         p = p.parent
     meta_path = p / META_FILE
-    model = p / ("model.onnx" if fmt == "onnx" else "model.pt2")
-    if not model.is_file():
-        hint = " (it is a model directory: export it first)" if (p / "config.yaml").is_file() or \
-            (p / "config.json").is_file() else ""
-        raise CheckpointError(f"{p}: no {model.name} here{hint}; run `gptforge export --format {fmt} --ckpt DIR --out {p}`")
     if not meta_path.is_file():
-        raise CheckpointError(f"{p}: {META_FILE} is missing; re-export with `gptforge export --format {fmt}`")
+        what = "a model directory, not an export" if (p / "config.yaml").is_file() or (p / "config.json").is_file() \
+            else f"no {META_FILE} here"
+        raise CheckpointError(f"{p}: {what}; make one with {fix}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise CheckpointError(f"{meta_path}: unreadable JSON ({e})") from None
+        raise CheckpointError(f"{meta_path}: unreadable JSON ({e}); re-export with {fix}") from None
     if meta.get("format") != fmt:
-        raise CheckpointError(f"{p}: holds a {meta.get('format')!r} export, not {fmt}")
+        raise CheckpointError(f"{p}: holds a {meta.get('format')!r} export, not {fmt}; make one with {fix}")
+    model = p / ("model.onnx" if fmt == "onnx" else "model.pt2")
+    if not model.is_file():
+        raise CheckpointError(f"{p}: {model.name} is missing; re-export with {fix}")
     return p, meta
 
 
