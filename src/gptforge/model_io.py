@@ -2,7 +2,9 @@
 
 Formats:
 - ours: `config.yaml` (the resolved config) + `model.safetensors` + tokenizer files;
-  training checkpoints add optimizer/scheduler/RNG state files next to them.
+  training checkpoints add optimizer/scheduler/RNG state files next to them. Distributed
+  step checkpoints hold torch.distributed.checkpoint shards (`.metadata`) instead of
+  `model.safetensors`; they read as full weights in one process.
 - hf: an HF `transformers` GPT-2 directory (`config.json` + safetensors or .bin weights).
 - paddle: a PaddleFleetX `model.pdparams` (a file, or a directory holding one).
 A directory of step checkpoints (`.../step_N`) resolves to its newest complete one.
@@ -29,6 +31,7 @@ from gptforge.errors import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
+DCP_METADATA = ".metadata"
 OURS, HF, PADDLE = "gptforge", "hf", "paddle"
 
 
@@ -37,7 +40,8 @@ def _notice(msg: str) -> None:
 
 
 def _is_ours(p: Path) -> bool:
-    return (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
+    # A distributed (DCP) step checkpoint of ours has `.metadata` + shards instead of one weights file.
+    return (p / CONFIG_FILE).is_file() and ((p / WEIGHTS_FILE).is_file() or (p / DCP_METADATA).is_file())
 
 
 def _step_of(p: Path) -> int:
@@ -62,10 +66,10 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     steps = sorted((c for c in p.iterdir() if c.is_dir() and _is_ours(c) and _step_of(c) >= 0), key=_step_of)
     if steps:
         return steps[-1]
-    if (p / ".metadata").is_file():
+    if (p / DCP_METADATA).is_file():
         raise CheckpointError(
-            f"{p}: is a distributed (torch.distributed.checkpoint) checkpoint; "
-            f"run `gptforge convert --src {p} --out DIR` to make a single-file model directory"
+            f"{p}: a torch.distributed.checkpoint directory without the {CONFIG_FILE} that gptforge writes next "
+            "to it; only gptforge's distributed step checkpoints (step_N) can be read"
         )
     raise CheckpointError(
         f"{p}: not a model directory (expected config.yaml + model.safetensors, an HF GPT-2 directory "
@@ -211,6 +215,10 @@ def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tens
     if fmt == OURS:
         from safetensors.torch import load_file
 
+        if not (p / WEIGHTS_FILE).is_file():
+            from gptforge.train.dist_checkpoint import read_model_tensors
+
+            return read_model_tensors(p)
         try:
             return load_file(str(p / WEIGHTS_FILE))
         except Exception as e:  # noqa: BLE001

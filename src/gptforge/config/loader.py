@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -317,8 +318,6 @@ def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
         p = getattr(m, key)
         if not 0.0 <= p < 1.0:
             raise ConfigError(f"Model.{key}: must be in [0, 1), got {p}")
-    if mp_degree <= 1:
-        m.sequence_parallel = False
 
 
 def resolve(cfg: Config, world_size: int | None = None) -> Config:
@@ -428,6 +427,55 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
+def check_distributed(cfg: Config, world_size: int | None = None) -> None:
+    """Checks a training launch needs: the degrees fit the processes torchrun started, and the
+    combination is one gptforge's torch.distributed engine runs (docs/distributed.md)."""
+    d, m = cfg.Distributed, cfg.Model
+    world = world_size if world_size is not None else world_size_from_env()
+    if d.pp_degree > 1:
+        raise ConfigError(
+            f"Distributed.pp_degree: {d.pp_degree} (pipeline parallel) is not supported; set it to 1 and split "
+            "the model with Distributed.mp_degree (tensor parallel) and/or sharding (FSDP2) instead, see "
+            "docs/distributed.md")
+    sh = d.sharding.sharding_degree
+    degrees = {"dp_degree": d.dp_degree or 1, "mp_degree": d.mp_degree, "pp_degree": d.pp_degree,
+               "sharding.sharding_degree": sh}
+    product = math.prod(degrees.values())
+    if product != world:
+        wide = [f"Distributed.{k}={v}" for k, v in degrees.items() if v > 1] or ["Distributed.dp_degree=1"]
+        raise ConfigError(
+            f"{' x '.join(wide)}: needs {product} processes (dp_degree x mp_degree x pp_degree x sharding_degree) "
+            f"but WORLD_SIZE is {world}; launch with torchrun --nproc_per_node={product} (or across nodes), or "
+            "change the degrees (a blank dp_degree is derived from the world size)")
+    if m.sequence_parallel and d.mp_degree <= 1:
+        raise ConfigError("Model.sequence_parallel: needs Distributed.mp_degree > 1 (it splits the activations "
+                          "of a tensor-parallel group); set Model.sequence_parallel=False")
+    if d.mp_degree > 1:
+        heads = m.layer_num_heads or [m.num_attention_heads]
+        ffns = m.layer_ffn_sizes or [m.ffn_hidden_size]
+        bad_heads = sorted({h for h in heads if h % d.mp_degree})
+        if bad_heads:
+            raise ConfigError(f"Distributed.mp_degree: {d.mp_degree} does not divide the attention head count "
+                              f"{bad_heads[0]} (Model.num_attention_heads / layer_num_heads); each rank holds whole heads")
+        bad_ffn = sorted({f for f in ffns if f % d.mp_degree})
+        if bad_ffn:
+            raise ConfigError(f"Distributed.mp_degree: {d.mp_degree} does not divide the FFN width {bad_ffn[0]} "
+                              "(Model.ffn_hidden_size / layer_ffn_sizes)")
+        if m.sequence_parallel:
+            for split in ("Train", "Eval"):
+                seq = getattr(cfg.Data, split).dataset.max_seq_len
+                if seq % d.mp_degree:
+                    raise ConfigError(f"Data.{split}.dataset.max_seq_len: {seq} is not divisible by "
+                                      f"Distributed.mp_degree {d.mp_degree}, which Model.sequence_parallel needs")
+    mp = cfg.Engine.mix_precision
+    if mp.enable and mp.dtype == "float16" and (d.mp_degree > 1 or sh > 1):
+        raise ConfigError(
+            "Engine.mix_precision.dtype: float16 with tensor parallel or sharding needs a loss scaler that sees "
+            "every rank's gradient shards; use bfloat16 (no loss scaling), or data parallel only")
+    if d.backend is not None and d.backend.lower() not in ("nccl", "gloo"):
+        raise ConfigError(f"Distributed.backend: {d.backend!r} is not one of nccl, gloo (blank = from the device)")
+
+
 def check_train_shapes(cfg: Config) -> None:
     """Checks only a training run needs (other verbs never read Data)."""
     m = cfg.Model
@@ -450,6 +498,17 @@ def checkpoint_raw(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     return read_checkpoint_config(ckpt_dir)
 
 
+def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config without the values its launch derived from the world size
+    (Distributed.dp_degree, Global.local_batch_size): resuming at another world size derives
+    them again from the global batch."""
+    out = dict(raw)
+    for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size")):
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
+
+
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
@@ -467,6 +526,7 @@ def load_config(
     if ckpt_dir is not None:
         raw = checkpoint_raw(ckpt_dir)
         requires = raw.pop("__requires__", [])
+        raw = _drop_launch_derived(raw)
         ck_model = raw.get("Model") or {}
         if isinstance(file_raw.get("Model"), dict):
             file_model = {k: v for k, v in file_raw["Model"].items()

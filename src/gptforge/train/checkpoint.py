@@ -75,8 +75,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    """A step directory with every file a resume needs."""
-    return all((path / f).is_file() for f in (WEIGHTS_FILE, "config.yaml", STATE_FILE, META_FILE))
+    """A step directory with every file a resume needs (single-process weights, or the
+    `.metadata` of a distributed checkpoint: see dist_checkpoint.py)."""
+    weights = (path / WEIGHTS_FILE).is_file() or (path / ".metadata").is_file()
+    return weights and all((path / f).is_file() for f in ("config.yaml", STATE_FILE, META_FILE))
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -175,10 +177,15 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     from safetensors.torch import load_file
 
     f = Path(path) / WEIGHTS_FILE
-    try:
-        sd = load_file(str(f))
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types
-        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    if not f.is_file() and (Path(path) / ".metadata").is_file():
+        from gptforge.train.dist_checkpoint import read_model_tensors
+
+        sd = read_model_tensors(path)
+    else:
+        try:
+            sd = load_file(str(f))
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types
+            raise CheckpointError(f"{f}: unreadable ({e})") from None
     expected = model.state_dict()
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]

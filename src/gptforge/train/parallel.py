@@ -1,71 +1,230 @@
 """The parallelism seam between the trainer and torch.distributed.
 
-`setup_parallel(model, cfg, device)` returns the model to train and a `ParallelContext` that
-answers everything the trainer needs to know about other processes: its data rank and world
-(for the sampler), whether it writes files, how to skip gradient sync during accumulation, how
-to average a logged value, and how to get the plain model back for saving. The trainer never
-imports torch.distributed; data/tensor/fully-sharded parallel wrapping lives here only.
+`init_parallel(cfg, device)` validates `Distributed`, joins the process group torchrun describes
+and returns a `ParallelContext`; `ctx.wrap(model)` applies the strategy from outside the model.
+The context answers everything the trainer needs to know about other processes: its data rank
+and world (for the sampler), whether it writes files, how to skip gradient sync during
+accumulation, how to clip by the global norm, how to average a logged value, and how to get
+the plain model back. The trainer never imports torch.distributed.
 
-This version is the single-process path: rank 0 of 1, the model unchanged.
+Strategies (docs/distributed.md), on a ("dp", "sharding", "mp") device mesh:
+- `mp_degree > 1`: tensor parallel (DTensor plans, `parallel_tp.py`), optionally sequence parallel;
+- `sharding_degree > 1`: FSDP2 `fully_shard` per block and at the root over the sharding axis
+  (HSDP over dp × sharding when `dp_degree > 1` too). Stage 3 reshards the blocks'
+  parameters after forward; stages 1 and 2 keep them gathered until backward ends;
+- otherwise `dp_degree > 1`: DDP, or, on top of tensor parallel, one bucketed gradient
+  all-reduce over the data ranks after the last micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from gptforge.config.loader import world_size_from_env
 from gptforge.config.schema import Config
-from gptforge.errors import ConfigError
+from gptforge.train.dist_env import Topology
+
+
+def _notice(msg: str) -> None:
+    print(f"gptforge: {msg}", file=sys.stderr)
 
 
 @dataclass
 class ParallelContext:
-    """What the trainer needs to know about the process group (single process: 0 of 1)."""
+    """What the trainer needs to know about the process group (single process: rank 0 of 1)."""
 
-    data_rank: int = 0
-    data_world_size: int = 1
-    rank: int = 0
-    world_size: int = 1
+    topo: Topology = field(default_factory=Topology)
     device: torch.device = torch.device("cpu")
+    mesh: Any = None  # DeviceMesh ("dp", "sharding", "mp") when world > 1
+    strategy: str = "single"  # single | ddp | fsdp | tp | tp+allreduce | tp+fsdp
+    seed: int = 1024  # this rank's dropout seed (the reference's global_seed)
+    sequence_parallel: bool = False
+    sharding_stage: int = 2
+    sharding_offload: bool = False
+    owns_group: bool = False
+    data_group: Any = None  # ranks holding the same model slice (same mp rank); None = WORLD
+    _ddp: Any = None
+    _fsdp_root: Any = None
+
+    # ------------------------------------------------------------------ who am I
+
+    @property
+    def rank(self) -> int:
+        return self.topo.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topo.world_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.topo.data_rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.topo.data_world_size
+
+    @property
+    def distributed(self) -> bool:
+        return self.topo.world_size > 1
 
     @property
     def is_main(self) -> bool:
         """The process that writes checkpoints, logs and metrics."""
         return self.rank == 0
 
-    def no_sync(self, model: nn.Module, last_micro_batch: bool):
-        """Context for one micro-batch's backward: gradient sync only on the last one."""
-        return contextlib.nullcontext()
+    def record(self) -> dict:
+        """The layout a checkpoint records (resume restores per-rank RNG only into the same one)."""
+        return {"world_size": self.world_size, **self.topo.degrees(), "strategy": self.strategy}
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a scalar over data ranks (for logged losses)."""
-        return value
+    # ------------------------------------------------------------------ wrapping
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Apply this context's strategy to `model` (in place where torch allows); returns the
+        module to call for training steps."""
+        if not self.distributed:
+            return model
+        from gptforge.train.parallel_wrap import wrap_model
+
+        return wrap_model(self, model)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model (no DDP/compile wrappers) whose state_dict is saved."""
-        return getattr(model, "_orig_mod", model)
+        while True:
+            if hasattr(model, "_orig_mod"):
+                model = model._orig_mod
+            elif isinstance(getattr(model, "module", None), nn.Module) and type(model).__name__ == "DistributedDataParallel":
+                model = model.module
+            else:
+                return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Split parameter groups so each holds one kind of tensor (plain, or DTensors of one
+        mesh): torch's foreach kernels refuse lists that mix them. Call before the first step."""
+        if not self.distributed:
+            return optimizer
+        from gptforge.train.parallel_wrap import split_param_groups
+
+        split_param_groups(optimizer)
+        return optimizer
+
+    # ------------------------------------------------------------------ per step
+
+    def no_sync(self, model: nn.Module, last_micro_batch: bool):
+        """Context for one micro-batch's backward: gradient sync only on the last one."""
+        if self._ddp is not None and not last_micro_batch:
+            return self._ddp.no_sync()
+        if self._fsdp_root is not None:
+            self._fsdp_root.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
+
+    def finish_backward(self, params: list[torch.Tensor]) -> None:
+        """After the last micro-batch: finish the gradient reductions no wrapper did during
+        backward (sequence-parallel LayerNorm gradients, tensor parallel + plain data parallel)."""
+        if self.strategy.startswith("tp"):
+            from gptforge.train.parallel_wrap import allreduce_grads, reduce_partial_grads
+
+            reduce_partial_grads(params)
+            if self.strategy == "tp+allreduce":
+                allreduce_grads(params, self.data_group, self.data_world_size)
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], clip_norm: float) -> torch.Tensor:
+        """Global L2 norm over every rank's gradient shards; scales them by
+        clip/max(norm, clip) when clip_norm > 0 (the reference's ClipGradByGlobalNorm)."""
+        if not self.distributed:
+            from gptforge.train.optim import clip_grad_norm_
+
+            return clip_grad_norm_(params, clip_norm)
+        from gptforge.train.parallel_wrap import clip_sharded_grad_norm_
+
+        return clip_sharded_grad_norm_(params, clip_norm)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a scalar over data ranks (for logged losses)."""
+        if self.data_world_size == 1:
+            return value  # tensor-parallel peers already hold the same value
+        import torch.distributed as dist
+
+        v = value.detach().float().clone().to(self.device)
+        dist.all_reduce(v, group=self.data_group)
+        return v / self.data_world_size
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def gather_object(self, obj: Any) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere); [obj] in one process."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
 
     def close(self) -> None:
-        """Tear down the process group, if this context created one."""
+        """Tear down the process group, if this context created it."""
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_group = False
 
 
-def setup_parallel(model: nn.Module, cfg: Config, device: torch.device) -> tuple[nn.Module, ParallelContext]:
-    """(model to train, context). Only the single-process path exists so far: a run asking
-    for more than one process fails here with a clear message."""
-    d = cfg.Distributed
-    world = world_size_from_env()
-    degrees = {"dp_degree": d.dp_degree or 1, "mp_degree": d.mp_degree, "pp_degree": d.pp_degree,
-               "sharding.sharding_degree": d.sharding.sharding_degree}
-    wide = {k: v for k, v in degrees.items() if v > 1}
-    if world > 1 or wide:
-        what = ", ".join(f"Distributed.{k}={v}" for k, v in wide.items()) or f"WORLD_SIZE={world}"
-        raise ConfigError(f"{what}: distributed training is not available in this build yet; "
-                          "run one process with every Distributed degree at 1")
-    return model, ParallelContext(device=torch.device(device))
+def init_parallel(cfg: Config, device: torch.device | str = "cpu") -> ParallelContext:
+    """Validate `Distributed` against WORLD_SIZE and, under torchrun, join the process group
+    and build the device mesh. One process: a context for rank 0 of 1, nothing initialised."""
+    from gptforge.config.loader import check_distributed
+    from gptforge.train import dist_env
+
+    world, rank, local_rank = dist_env.env_rank()
+    check_distributed(cfg, world)
+    topo = dist_env.topology(cfg, world, rank, local_rank)
+    device = torch.device(device)
+    if world == 1:
+        return ParallelContext(topo=topo, device=device, seed=cfg.Global.seed)
+    device = dist_env.rank_device(device, local_rank)
+    owns = dist_env.init_process_group(cfg, device, topo)
+    mesh = dist_env.build_mesh(topo, device)
+    data_group = None
+    if topo.mp > 1 and topo.data_world_size > 1:
+        import torch.distributed as dist
+
+        # One group per mp rank: the ranks that hold the same tensor-parallel slice.
+        data_group, _ = dist.new_subgroups_by_enumeration(
+            [[r for r in range(world) if r % topo.mp == m] for m in range(topo.mp)])
+    sh = cfg.Distributed.sharding
+    return ParallelContext(topo=topo, device=device, mesh=mesh, strategy=_strategy(topo),
+                           seed=dist_env.dropout_seed(cfg.Global.seed, topo),
+                           sequence_parallel=cfg.Model.sequence_parallel, sharding_stage=sh.sharding_stage,
+                           sharding_offload=sh.sharding_offload, owns_group=owns, data_group=data_group)
+
+
+def _strategy(topo: Topology) -> str:
+    if topo.mp > 1:
+        if topo.sharding > 1:
+            return "tp+fsdp"
+        return "tp+allreduce" if topo.dp > 1 else "tp"
+    if topo.sharding > 1:
+        return "fsdp"
+    return "ddp"
+
+
+def setup_parallel(model: nn.Module, cfg: Config, device: torch.device | str | ParallelContext = "cpu"
+                   ) -> tuple[nn.Module, ParallelContext]:
+    """(model to train, context): `init_parallel` (unless a context is given) + `wrap`."""
+    ctx = device if isinstance(device, ParallelContext) else init_parallel(cfg, device)
+    return ctx.wrap(model), ctx
+
+
+__all__ = ["ParallelContext", "init_parallel", "setup_parallel"]

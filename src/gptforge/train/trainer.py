@@ -1,9 +1,9 @@
 """The training loop of `gptforge pretrain` (spec §4): setup order, step, eval, log, save, resume.
 
-Setup follows the reference (spec §8.2): build the model (or take the caller's) → load
-`Compress.pretrained` weights → the caller's transform (fake-quant, pruning) → device →
-resume weights → recompute → compile → parallel wrapping → precision → AdamW over the
-trainable parameters → resume optimizer/scheduler/scaler/RNG state.
+Setup follows the reference (spec §8.2): join the process group (under torchrun) → build the
+model (or take the caller's) → load `Compress.pretrained` weights → the caller's transform
+(fake-quant, pruning) → device → resume weights → recompute → parallel wrapping → compile →
+precision → AdamW over the trainable parameters → resume optimizer/scheduler/scaler/RNG state.
 
 One step consumes one global batch: the local batch is split into `accumulate_steps`
 micro-batches whose `loss/acc` are backpropagated; then unscale (fp16) → clip → AdamW; the LR
@@ -28,6 +28,7 @@ from torch import nn
 from gptforge.config.schema import Config
 from gptforge.errors import ConfigError, GPTForgeError
 from gptforge.train import checkpoint as ckpt
+from gptforge.train import dist_checkpoint as dist_ckpt
 from gptforge.train.metrics import (
     RunLogger,
     device_name,
@@ -38,8 +39,8 @@ from gptforge.train.metrics import (
     train_flops_per_token,
     train_line,
 )
-from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer, clip_grad_norm_
-from gptforge.train.parallel import setup_parallel
+from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer
+from gptforge.train.parallel import init_parallel
 from gptforge.train.precision import Precision
 from gptforge.train.recompute import apply_recompute
 
@@ -123,7 +124,10 @@ class Trainer:
         if e.run_mode != "step":
             raise ConfigError(f"Engine.run_mode: {e.run_mode!r} is not supported by pretrain; use step "
                               "(training length is Engine.max_steps)")
-        self.device = select_device(cfg.Global.device)
+        # Validates Distributed against WORLD_SIZE; under torchrun joins the process group and
+        # picks this rank's GPU.
+        self.par = init_parallel(cfg, select_device(cfg.Global.device))
+        self.device = self.par.device
         self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
         self.output_dir = Path(e.save_load.output_dir).expanduser()
         self.max_steps = e.max_steps
@@ -167,14 +171,18 @@ class Trainer:
         m = cfg.Model
         granularity = m.recompute_granularity if (m.use_recompute or m.recompute_granularity) else None
         self.recomputed = apply_recompute(model, granularity, m.no_recompute_layers or [])
-        train_model = model
+        train_model = self.par.wrap(model)  # TP/FSDP2 change `model` in place; DDP wraps it
+        if self.par.distributed:
+            # Every rank built the same weights from Global.seed; dropout now draws per rank
+            # (same across a tensor-parallel group, different across data ranks).
+            seed_everything(self.par.seed)
         if e.compile:
             if self.device.type == "cpu":
                 _notice("Engine.compile on CPU: expect no speed-up at model scale and 10-50 s of compile time")
-            train_model = torch.compile(model)
-        self.train_model, self.par = setup_parallel(train_model, cfg, self.device)
+            train_model = torch.compile(train_model)
+        self.train_model = train_model
         self.precision = Precision(e.mix_precision, self.device)
-        self.optimizer = build_optimizer(model, cfg.Optimizer)
+        self.optimizer = self.par.prepare_optimizer(build_optimizer(model, cfg.Optimizer))
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scheduler = Scheduler(self.optimizer, LRSchedule.from_config(cfg))
 
@@ -182,7 +190,8 @@ class Trainer:
         self.step, self.eval_consumed, self.eval_batches_done = 0, 0, 0
         self.last_checkpoint: Path | None = None
         if self.resume_dir is not None:
-            meta = ckpt.load_training_state(self.resume_dir, self.optimizer, self.scheduler, self.precision)
+            meta = dist_ckpt.load_training_state(self.resume_dir, model, self.optimizer, self.scheduler,
+                                                 self.precision, self.par)
             self.step = int(meta["step"])
             self.eval_consumed = int(meta.get("eval_consumed_samples", 0))
             self.eval_batches_done = int(meta.get("eval_batches", 0))
@@ -273,9 +282,10 @@ class Trainer:
                 loss = self._forward_loss(mb, model)
                 self.precision.backward(loss / self.acc)
             total += loss.detach().float()
+        self.par.finish_backward(self.params)
         loss_val = float(self.par.mean(total / self.acc))
         self.precision.unscale_(self.optimizer)
-        norm = clip_grad_norm_(self.params, self.cfg.Optimizer.grad_clip.clip_norm)
+        norm = self.par.clip_grad_norm_(self.params, self.cfg.Optimizer.grad_clip.clip_norm)
         norm_val = float(norm)
         bad = not (math.isfinite(loss_val) and math.isfinite(norm_val))
         if bad and not self.precision.fp16:
@@ -322,13 +332,20 @@ class Trainer:
     # ------------------------------------------------------------------------ saving
 
     def save(self, loss: float | None = None) -> Path | None:
-        """Write the step checkpoint for the current step (main process only)."""
+        """Write the step checkpoint for the current step: one process writes the single-file
+        format; a distributed run writes DCP shards from every rank (returns the path on rank 0)."""
         path = None
+        meta = {"consumed_samples": self.step * self.gbs, "eval_consumed_samples": self.eval_consumed,
+                "eval_batches": self.eval_batches_done, "global_batch_size": self.gbs,
+                "scheduler_samples": self.scheduler.samples, "lr": self.scheduler.lr, "loss": loss,
+                "precision": self.precision.name}
+        if self.par.distributed:
+            path = dist_ckpt.save_distributed(self.output_dir, self.step, self.model, self.cfg, self.tokenizer,
+                                              self.optimizer, self.scheduler, self.precision, meta, self.par,
+                                              keep_last=self.cfg.Engine.save_load.keep_last)
+            self.last_checkpoint = path
+            return path if self.par.is_main else None
         if self.par.is_main:
-            meta = {"consumed_samples": self.step * self.gbs, "eval_consumed_samples": self.eval_consumed,
-                    "eval_batches": self.eval_batches_done, "global_batch_size": self.gbs,
-                    "scheduler_samples": self.scheduler.samples, "lr": self.scheduler.lr, "loss": loss,
-                    "precision": self.precision.name}
             path = ckpt.save_checkpoint(self.output_dir, self.step, self.par.unwrap(self.model), self.cfg,
                                         self.tokenizer, self.optimizer, self.scheduler, self.precision, meta,
                                         keep_last=self.cfg.Engine.save_load.keep_last)
@@ -353,6 +370,7 @@ class Trainer:
         if self.par.is_main:
             ckpt.clean_stale_tmp(self.output_dir)
             self._write_run_config()
+        self.par.barrier()  # no rank writes a checkpoint before the stale temp dirs are gone
         log = RunLogger(self.output_dir, enabled=self.par.is_main, total_steps=self.max_steps,
                         start_step=self.step, progress=self.progress, echo=self.echo)
         seq = cfg.Data.Train.dataset.max_seq_len
@@ -505,8 +523,13 @@ def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
 
 
 def pretrain(cfg: Config, model: nn.Module | None = None, tokenizer=None, **kwargs) -> TrainResult:
-    """Train `cfg` (a resolved Config) and return a `TrainResult`. Keyword arguments go to `Trainer`."""
-    return Trainer(cfg, model, tokenizer, **kwargs).train()
+    """Train `cfg` (a resolved Config) and return a `TrainResult`. Keyword arguments go to `Trainer`.
+    Under torchrun every process calls this; the process group it joined is left at the end."""
+    trainer = Trainer(cfg, model, tokenizer, **kwargs)
+    try:
+        return trainer.train()
+    finally:
+        trainer.par.close()
 
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "load_pretrained", "pretrain", "seed_everything"]

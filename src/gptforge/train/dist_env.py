@@ -1,0 +1,138 @@
+"""Process-group setup for distributed training: topology, backend, device, mesh and seeds.
+
+The rank layout follows the reference's hybrid topology with the pipeline axis at 1:
+`dp` outermost, then `sharding`, then `mp` innermost, so tensor-parallel peers are
+neighbouring ranks (one node, fast links) and the data rank is `dp_rank·sharding + sharding_rank`
+= `rank // mp` (spec §2.5). A launch that did not go through torchrun (no `WORLD_SIZE`) is one
+process and never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gptforge.config.schema import Config
+from gptforge.errors import ConfigError
+
+BACKENDS = ("nccl", "gloo")
+MESH_DIMS = ("dp", "sharding", "mp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the dp × sharding × mp grid (pp is always 1 here)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    dp: int = 1
+    sharding: int = 1
+    mp: int = 1
+
+    @property
+    def mp_rank(self) -> int:
+        return self.rank % self.mp
+
+    @property
+    def sharding_rank(self) -> int:
+        return (self.rank // self.mp) % self.sharding
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.mp * self.sharding)
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of every global batch this process reads (the sampler's rank)."""
+        return self.dp_rank * self.sharding + self.sharding_rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.dp * self.sharding
+
+    def degrees(self) -> dict[str, int]:
+        return {"dp_degree": self.dp, "sharding_degree": self.sharding, "mp_degree": self.mp, "pp_degree": 1}
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) otherwise."""
+    def read(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            raise ConfigError(f"{name}={os.environ[name]!r}: not an integer (set by torchrun)") from None
+
+    return max(1, read("WORLD_SIZE", 1)), read("RANK", 0), read("LOCAL_RANK", 0)
+
+
+def topology(cfg: Config, world_size: int, rank: int, local_rank: int = 0) -> Topology:
+    """The Topology of `rank`; `cfg` must have passed `check_distributed`."""
+    d = cfg.Distributed
+    return Topology(world_size, rank, local_rank, d.dp_degree or 1, d.sharding.sharding_degree, d.mp_degree)
+
+
+def backend_for(cfg: Config, device: torch.device) -> str:
+    """`Distributed.backend` if set, else NCCL for CUDA devices and gloo for CPU."""
+    b = cfg.Distributed.backend
+    if b:
+        b = b.lower()
+        if b not in BACKENDS:
+            raise ConfigError(f"Distributed.backend: {cfg.Distributed.backend!r} is not one of {', '.join(BACKENDS)}")
+        if b == "nccl" and device.type != "cuda":
+            raise ConfigError("Distributed.backend: nccl needs CUDA devices; use gloo on CPU (or leave it blank)")
+        return b
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """One GPU per process: `cuda` becomes `cuda:LOCAL_RANK` (an explicit `cuda:N` is kept for
+    single-process runs only, where it cannot collide)."""
+    if device.type != "cuda":
+        return device
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise ConfigError(f"Global.device: local rank {local_rank} has no GPU ({n} visible); launch at most "
+                          f"{n} processes per node (torchrun --nproc_per_node={n})")
+    return torch.device("cuda", local_rank)
+
+
+def init_process_group(cfg: Config, device: torch.device, topo: Topology) -> bool:
+    """Join the default process group torchrun describes; True when this call created it
+    (the caller then owns its teardown)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != topo.world_size:
+            raise ConfigError(f"WORLD_SIZE={topo.world_size} but the existing process group has "
+                              f"{dist.get_world_size()} ranks")
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The default 10-minute timeout is short for a first step that builds index maps on rank 0.
+    timeout = datetime.timedelta(minutes=int(os.environ.get("GPTFORGE_DIST_TIMEOUT_MIN", "30")))
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(cfg, device), rank=topo.rank, world_size=topo.world_size,
+                            timeout=timeout, **kwargs)
+    return True
+
+
+def build_mesh(topo: Topology, device: torch.device):
+    """The 3-D ("dp", "sharding", "mp") DeviceMesh over all ranks (axes of size 1 included)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (topo.dp, topo.sharding, topo.mp), mesh_dim_names=MESH_DIMS)
+
+
+def dropout_seed(seed: int, topo: Topology) -> int:
+    """The reference's `global_seed` (spec §1.7): equal across a tensor-parallel group (its
+    ranks hold the same replicated activations), different for every data-parallel rank."""
+    mp, pp, dp = topo.mp, 1, topo.dp
+    return seed + 1024 + topo.world_size + topo.dp_rank * mp * pp + topo.sharding_rank * mp * pp * dp
+
+
+__all__ = ["BACKENDS", "MESH_DIMS", "Topology", "backend_for", "build_mesh", "dropout_seed", "env_rank",
+           "init_process_group", "rank_device", "topology"]
