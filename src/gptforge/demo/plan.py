@@ -1,0 +1,208 @@
+"""What the demo trains: the model shape, the step counts that fit the time budget, and the YAML
+recipes it writes into `<out>/configs/` (the reproduction commands in the report use them).
+
+Step counts come from a measured training step of the demo's shape on this machine
+(`calibrate`), so a slower machine trains fewer steps instead of overrunning the budget, and a
+GPU trains more (up to a cap). The shares of the budget are fixed: pretraining 40%, each of the
+four fine-tuning runs (QAT, QAT after analysis, pruning, pruned + QAT) 6%; everything else
+(data preparation, evaluations, analysis, exports) takes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+PRETRAIN_SHARE = 0.40
+FINETUNE_SHARE = 0.06
+QAT_STEP_COST = 1.6  # a fake-quant training step costs about this many float steps (measured: 1.4-1.8)
+TRAINER_OVERHEAD = 1.3  # the trainer's step (data, clipping, logging, evals, checkpoints) vs the bare step timed
+
+
+@dataclass
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    seq: int
+    batch: int
+
+
+FULL = Shape(hidden=128, layers=4, heads=4, ffn=512, seq=128, batch=8)
+QUICK = Shape(hidden=64, layers=2, heads=2, ffn=256, seq=64, batch=8)
+
+
+@dataclass
+class Settings:
+    """Everything the user chooses (a different choice starts a fresh demo directory)."""
+
+    out: str
+    quick: bool = False
+    minutes: float = 12.0  # the time budget for the whole demo
+    vocab_size: int = 4096
+    weight_bits: int = 8
+    prune_ratio: float = 0.25
+    top_k: int | None = None  # layers left float after the analysis (default: the analysis' suggestion)
+    device: str = "auto"
+    seed: int = 1024
+    shape: Shape = field(default_factory=lambda: FULL)
+
+    def fingerprint(self) -> dict:
+        d = asdict(self)
+        d.pop("out")
+        return d
+
+
+@dataclass
+class Steps:
+    step_seconds: float  # one float training step of the demo's shape, measured (with the trainer's overhead)
+    pretrain: int
+    finetune: int
+    device: str
+
+
+def calibrate(s: Settings) -> Steps:
+    """Time a few float training steps of the demo's shape and derive the step counts."""
+    import torch
+
+    from gptforge.commands.common import select_device
+    from gptforge.config import load_config
+    from gptforge.model import build_model
+
+    cfg = load_config(overrides=model_overrides(s))
+    dev = select_device(s.device)
+    torch.manual_seed(0)
+    model = build_model(cfg.Model).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sh = s.shape
+    ids = torch.randint(0, s.vocab_size, (sh.batch, sh.seq + 1), device=dev)
+
+    def step():
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(4):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    sec = sorted(times)[1] * TRAINER_OVERHEAD  # second fastest: robust to one lucky or one disturbed step
+    budget = 60.0 * s.minutes
+    lo, hi = (60, 300) if s.quick else (300, 4000)
+    ft_lo, ft_hi = (20, 40) if s.quick else (50, 400)
+    pretrain = int(min(hi, max(lo, PRETRAIN_SHARE * budget / sec)))
+    finetune = int(min(ft_hi, max(ft_lo, FINETUNE_SHARE * budget / (sec * QAT_STEP_COST))))
+    return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=str(dev))
+
+
+def _round(n: int) -> int:
+    """Step counts in round tens (readable configs, checkpoints every quarter)."""
+    return max(20, (n // 20) * 20)
+
+
+def model_overrides(s: Settings) -> list[str]:
+    sh = s.shape
+    return [f"Model.vocab_size={s.vocab_size}", f"Model.hidden_size={sh.hidden}", f"Model.num_layers={sh.layers}",
+            f"Model.num_attention_heads={sh.heads}", f"Model.ffn_hidden_size={sh.ffn}",
+            f"Model.max_position_embeddings={sh.seq}"]
+
+
+class Paths:
+    """Where every stage writes, under the demo directory."""
+
+    def __init__(self, out: str | Path):
+        o = Path(out)
+        self.out = o
+        self.tokenizer = o / "tokenizer"
+        self.data = o / "data"
+        self.prefix = o / "data" / "builtin"
+        self.heldout = o / "data" / "heldout.txt"
+        self.cloze = o / "data" / "cloze.jsonl"
+        self.prompts = o / "data" / "prompts.txt"
+        self.configs = o / "configs"
+        self.logs = o / "logs"
+        self.evals = o / "evals"
+        self.float = o / "float"
+        self.ptq = o / "ptq"
+        self.qat = o / "qat"
+        self.analysis = o / "analysis"
+        self.qat_skip = o / "qat_skip"
+        self.pruned = o / "pruned"
+        self.pruned_qat = o / "pruned_qat"
+        self.int8 = o / "int8"
+        self.export = o / "export"
+        self.samples = o / "samples.json"
+        self.state = o / "demo_state.json"
+
+    def config(self, name: str) -> Path:
+        return self.configs / f"{name}.yaml"
+
+
+SPLIT = [949, 50, 1]
+
+
+def _common(s: Settings, p: Paths, steps: int, out_dir: Path, logging: int) -> dict:
+    sh = s.shape
+    data = {"dataset": {"input_dir": str(p.prefix), "split": SPLIT, "max_seq_len": sh.seq},
+            "loader": {"num_workers": 0}}
+    return {
+        "Global": {"device": s.device, "seed": s.seed, "global_batch_size": sh.batch, "local_batch_size": sh.batch,
+                   "micro_batch_size": sh.batch},
+        "Engine": {"max_steps": steps, "logging_freq": logging, "eval_freq": max(steps // 4, 1), "eval_iters": 4,
+                   "mix_precision": {"enable": False},
+                   "save_load": {"save_steps": max(steps // 4, 1), "output_dir": str(out_dir), "keep_last": 1}},
+        "Data": {"tokenizer": str(p.tokenizer), "Train": data, "Eval": json.loads(json.dumps(data))},
+    }
+
+
+def write_configs(s: Settings, p: Paths, steps: Steps) -> dict[str, Path]:
+    """pretrain.yaml, qat.yaml, prune.yaml: complete recipes (no _base_), so they run anywhere."""
+    sh = s.shape
+    pre = _common(s, p, steps.pretrain, p.float, max(steps.pretrain // 20, 1))
+    pre["Model"] = {"vocab_size": s.vocab_size, "hidden_size": sh.hidden, "num_layers": sh.layers,
+                    "num_attention_heads": sh.heads, "ffn_hidden_size": sh.ffn, "max_position_embeddings": sh.seq,
+                    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    pre["Optimizer"] = {"weight_decay": 0.01, "lr": {"decay_steps": steps.pretrain, "warmup_rate": 0.02,
+                                                     "max_lr": 2.0e-3, "min_lr": 2.0e-4},
+                        "grad_clip": {"clip_norm": 1.0}}
+
+    ft_log = max(steps.finetune // 4, 1)
+    qat = _common(s, p, steps.finetune, p.qat, ft_log)
+    qat["Model"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    # The reference's QAT recipe: weight decay 0.02, no warmup, a small lr decaying 10x.
+    qat["Optimizer"] = {"weight_decay": 0.02, "lr": {"decay_steps": steps.finetune, "warmup_rate": 0.0,
+                                                     "max_lr": 2.0e-4, "min_lr": 2.0e-5}}
+    # The reference's quantizer (qat_gpt_345M_single_card.yaml), INT8 unless --weight-bits says otherwise.
+    qat["Compress"] = {"Quantization": {
+        "enable": True, "weight_quantize_type": "abs_max", "activation_quantize_type": "moving_average_abs_max",
+        "activation_preprocess_type": "PACT", "weight_bits": s.weight_bits, "activation_bits": 8,
+        "onnx_format": True, "freeze_embedding": True, "calib_batches": 8}}
+
+    prune = _common(s, p, steps.finetune, p.pruned, ft_log)
+    prune["Model"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    # The reference's pruning recipe: no warmup, no weight decay, dropout 0.
+    prune["Optimizer"] = {"weight_decay": 0.0, "lr": {"decay_steps": steps.finetune, "warmup_rate": 0.0,
+                                                      "max_lr": 5.0e-4, "min_lr": 5.0e-5}}
+    prune["Compress"] = {"Prune": {"enable": True, "criterion": "l1_norm", "ratio": s.prune_ratio,
+                                   "scope": "uniform"}}
+    p.configs.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, doc in (("pretrain", pre), ("qat", qat), ("prune", prune)):
+        path = p.config(name)
+        head = f"# written by `gptforge demo` ({'--quick' if s.quick else 'default'}); see docs/demo.md\n"
+        path.write_text(head + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+        out[name] = path
+    return out
+
+
+PROMPTS = ["def", "import", "class Parser", "Return the", "The following"]

@@ -1,0 +1,279 @@
+"""The demo's report: `report.md` and `report.html` (the same content), and their PNG plots.
+
+The table follows the seeds' (model | precision / shape | params | size on disk | tokens/s | eval
+loss / ppl / acc); the checks state what the run demonstrates; every command that produced a
+row is listed, so each row can be reproduced by hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import math
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from gptforge import __version__
+
+STAGES = 15  # run_demo's stage count, the report included
+PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
+
+
+def machine() -> str:
+    """CPU model and cores, plus the GPU when one is used."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        text += f"; GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gptforge.demo.pipeline import ROWS
+
+    files = {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("pretrain", "pretrain", "-"), ("qat", "QAT", "-"), ("prune", "pruned fine-tune", "-")):
+        o = d.out(key)
+        offset = 0 if key == "pretrain" else d.out("pretrain")["train"][-1][0]
+        if o["train"]:
+            xs, ys = zip(*o["train"], strict=True)
+            ax.plot([x + offset for x in xs], ys, style, label=f"{label} (train)")
+        if o["eval"]:
+            xs, ys = zip(*o["eval"], strict=True)
+            ax.plot([x + offset for x in xs], ys, "o--", label=f"{label} (eval)")
+    ax.set_xlabel("step (fine-tunes continue from the pretrained model)")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    files["loss"] = out / PLOTS["loss"]
+    fig.savefig(files["loss"], dpi=110)
+    plt.close(fig)
+
+    an = d.out("analysis")
+    ranking = an["ranking"]
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(ranking) + 1)))
+    names = [f"{r['reference_name']}  {r['name']}" for r in ranking][::-1]
+    vals = [r["sensitivity"] for r in ranking][::-1]
+    colors = ["tab:red" if r["name"] in an["top"] else "tab:blue" for r in ranking][::-1]
+    ax.barh(names, vals, color=colors)
+    ax.set_xlabel("sensitivity: QAT loss - loss with this layer float (larger = more sensitive)")
+    ax.set_title(f"quantization sensitivity (red: the top {an['k']}, left float in the next QAT)")
+    ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    files["sensitivity"] = out / PLOTS["sensitivity"]
+    fig.savefig(files["sensitivity"], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, r in rows.items():
+        ax.scatter(r["tokens_per_s"], r["ppl"], s=40)
+        ax.annotate(ROWS[key], (r["tokens_per_s"], r["ppl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("tokens/s (forward pass)")
+    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.set_title("speed vs quality")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    files["tradeoff"] = out / PLOTS["tradeoff"]
+    fig.savefig(files["tradeoff"], dpi=110)
+    plt.close(fig)
+    return files
+
+
+# ----------------------------------------------------------------------------- content
+
+
+def _checks(d, rows: dict) -> list[tuple[bool, str, str]]:
+    pre = d.out("pretrain")
+    first, last = pre["train"][0][1], pre["train"][-1][1]
+    ev = pre["eval"]
+    eval_note = f"; eval loss {ev[0][1]:.3f} -> {ev[-1][1]:.3f}" if len(ev) >= 2 else ""
+    ptq, qat = rows["ptq"]["ppl"], rows["qat"]["ppl"]
+    dense, pruned = rows["float"]["tokens_per_s"], rows["pruned"]["tokens_per_s"]
+    stages = [r for r in d.records.values() if r.name != "report"]
+    done = sum(1 for r in stages if r.done)
+    numbers = [v for r in rows.values() for k, v in r.items() if k in ("ppl", "loss", "cloze_acc", "tokens_per_s")]
+    return [
+        (last < first, "loss falls", f"pretraining loss {first:.3f} -> {last:.3f}{eval_note}"),
+        (qat < ptq, "QAT better than PTQ", f"held-out ppl {qat:.3f} (QAT) vs {ptq:.3f} (PTQ)"),
+        (pruned > dense, "pruned model faster than dense",
+         f"{pruned:,.0f} vs {dense:,.0f} tokens/s ({pruned / dense:.2f}x)"),
+        (all(_finite(x) for x in numbers), "every number finite", f"{len(numbers)} figures"),
+        (done == len(stages) == STAGES - 1, "every stage ran", f"{done} of {STAGES - 1} stages before this report"),
+    ]
+
+
+def _table(rows: dict) -> tuple[list[str], list[list[str]]]:
+    from gptforge.demo.pipeline import ROWS
+
+    head = ["model", "precision / shape", "params", "size on disk", "tokens/s", "held-out loss", "ppl", "cloze acc"]
+    body = []
+    for key, r in rows.items():
+        body.append([ROWS[key], r["description"], f"{r['params'] / 1e6:.2f} M", _fmt_bytes(r["size_bytes"]),
+                     f"{r['tokens_per_s']:,.0f}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{100 * r['cloze_acc']:.1f}%"])
+    return head, body
+
+
+def _row_commands(d) -> dict[str, list[str]]:
+    """Stage names whose commands produce each row (in order)."""
+    return {"float": ["tokenizer", "data", "pretrain"], "ptq": ["ptq", "int8:ptq"], "qat": ["qat", "int8:qat"],
+            "qat_skip": ["analysis", "qat_skip", "int8:qat_skip"], "pruned": ["prune"],
+            "pruned_qat": ["prune", "pruned_qat", "int8:pruned_qat"]}
+
+
+def _commands_for(d, ref: str) -> list[list[str]]:
+    from gptforge.demo.pipeline import command_line
+
+    stage, _, row = ref.partition(":")
+    cmds = d.records[stage].commands
+    if row:
+        cmds = [c for c in cmds if str(d.p.int8 / row) in c]
+    return [command_line(c) for c in cmds]
+
+
+class _Doc:
+    """Collects the report once and renders it as Markdown and as HTML."""
+
+    def __init__(self):
+        self.md: list[str] = []
+        self.html: list[str] = []
+
+    def h(self, level: int, text: str) -> None:
+        self.md += [f"{'#' * level} {text}", ""]
+        self.html.append(f"<h{level}>{html.escape(text)}</h{level}>")
+
+    def p(self, text: str) -> None:
+        self.md += [text, ""]
+        self.html.append(f"<p>{html.escape(text)}</p>")
+
+    def items(self, lines: list[str]) -> None:
+        self.md += [f"- {x}" for x in lines] + [""]
+        self.html.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
+
+    def table(self, head: list[str], body: list[list[str]]) -> None:
+        self.md += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        self.md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body] + [""]
+        th = "".join(f"<th>{html.escape(c)}</th>" for c in head)
+        trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+        self.html.append(f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>")
+
+    def code(self, lines: list[str]) -> None:
+        self.md += ["```", *lines, "```", ""]
+        self.html.append("<pre><code>" + html.escape("\n".join(lines)) + "</code></pre>")
+
+    def image(self, alt: str, name: str) -> None:
+        self.md += [f"![{alt}]({name})", ""]
+        self.html.append(f'<figure><img src="{html.escape(name)}" alt="{html.escape(alt)}">'
+                         f"<figcaption>{html.escape(alt)}</figcaption></figure>")
+
+
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+        "th{background:#f4f4f4}pre{background:#f6f8fa;padding:1em;overflow-x:auto;font-size:13px}"
+        "img{max-width:100%}figure{margin:1em 0}figcaption{color:#666;font-size:90%}")
+
+
+def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
+    """Write report.md, report.html and the plots into the demo directory."""
+    s, p = d.s, d.p
+    plots = _plots(d, rows, p.out)
+    data, steps = d.out("data"), d.out("plan")["steps"]
+    an = d.out("analysis")
+    doc = _Doc()
+    doc.h(1, "gptforge demo report")
+    doc.items([
+        f"date: {datetime.date.today().isoformat()}; gptforge {__version__}, torch {torch.__version__}",
+        f"machine: {machine()}; device used: {steps['device']}",
+        f"mode: {'--quick' if s.quick else 'default'}, budget {s.minutes:g} min; this run took {seconds / 60:.1f} min "
+        f"(stages finished by earlier runs not counted)",
+        f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
+        f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
+        f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
+        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {steps['pretrain']} steps, every fine-tune "
+        f"{steps['finetune']} steps (a training step measured at {steps['step_seconds'] * 1e3:.0f} ms)",
+    ])
+    doc.h(2, "Results")
+    doc.table(*_table(rows))
+    doc.p(f"tokens/s: forward-pass (scoring) throughput at batch {s.shape.batch} x {s.shape.seq} tokens on "
+          f"{steps['device']}, best of 7. INT8 rows are the real INT8 models (`gptforge quantize --convert`): their "
+          "quality, size and speed are those of the same files. Held-out loss / ppl: `gptforge eval` with the "
+          f"WikiText method on {data['heldout_chars']:,} characters of Eval-split documents (never trained on). "
+          f"Cloze acc: LAMBADA-style strict whole-word accuracy on {data['cloze_examples']} passages cut from the "
+          "same documents. The QAT and pruned rows trained "
+          f"{steps['finetune']} more steps than the float row, as in the reference's recipes.")
+    doc.h(2, "Checks")
+    doc.items([f"{'PASS' if ok else 'FAIL'}: {name}: {detail}" for ok, name, detail in _checks(d, rows)])
+    doc.h(2, "Plots")
+    doc.image("training loss", PLOTS["loss"])
+    doc.image("speed vs quality", PLOTS["tradeoff"])
+    doc.image("quantization sensitivity ranking", PLOTS["sensitivity"])
+    doc.h(2, "Sensitivity analysis")
+    doc.p(f"qat mode (PaddleSlim AnalysisQAT): each quantized Linear in turn left float (weight restored from the "
+          f"float model), metric = mean loss on Eval batches; QAT model {an['base_value']:.4f}, float model "
+          f"{an['float_value']:.4f}. The top {an['k']} were left float in the next QAT run: "
+          f"skip_tensor_map {an['skip_map']}.")
+    doc.table(["rank", "layer", "reference name", "sensitivity"],
+              [[str(i), r["name"], r["reference_name"], f"{r['sensitivity']:+.3e}"]
+               for i, r in enumerate(an["ranking"][:10], 1)])
+    doc.h(2, "Samples (float model, top-k 40, temperature 0.8)")
+    doc.code([f"{x['prompt']!r} -> {x['text']!r}" for x in d.out("generate")["samples"]])
+    ex = d.out("export")
+    doc.h(2, "Export")
+    doc.items([f"HF transformers directory (float model): {ex['hf']} ({_fmt_bytes(ex['hf_bytes'])})",
+               f"ONNX INT8 QDQ (QAT model, learned scales): {ex['onnx_int8']} ({_fmt_bytes(ex['onnx_bytes'])})",
+               f"`gptforge infer` on the ONNX INT8 model, greedy: {ex['infer_text']!r}"])
+    doc.h(2, "Reproduce")
+    doc.p("Each row's commands (run after the data commands of the first row):")
+    from gptforge.demo.pipeline import ROWS
+
+    for key, refs in _row_commands(d).items():
+        doc.h(3, ROWS[key])
+        doc.code([c for ref in refs for c in _commands_for(d, ref)])
+    doc.h(3, "every stage, in order")
+    lines = []
+    for rec in d.records.values():
+        if rec.name == "report":
+            continue
+        lines.append(f"# {rec.title} ({rec.seconds:.0f}s)")
+        lines += [_commands_for(d, rec.name)[i] for i in range(len(rec.commands))] or ["# (Python: gptforge.demo)"]
+    doc.code(lines)
+
+    md = p.out / "report.md"
+    md.write_text("\n".join(doc.md), encoding="utf-8")
+    page = p.out / "report.html"
+    page.write_text("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gptforge demo report"
+                    f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(doc.html) + "\n</body></html>\n",
+                    encoding="utf-8")
+    return {"md": md, "html": page, **plots}

@@ -1,0 +1,147 @@
+"""`gptforge demo --quick`: every stage runs through the real verbs, the report holds finite
+numbers and renders (valid HTML whose images exist), a second run resumes instead of redoing
+work, and bad arguments or a foreign directory are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+from gptforge.demo.heldout import cloze_passages
+from gptforge.demo.pipeline import ROWS
+
+STAGES = ["tokenizer", "data", "plan", "pretrain", "generate", "ptq", "qat", "analysis", "qat_skip", "prune",
+          "pruned_qat", "int8", "evaluate", "export", "report"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """(out dir, stdout) of one quick demo run (the CLI, in this process)."""
+    from gptforge.cli import main
+
+    out = tmp_path_factory.mktemp("demo") / "run"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["demo", "--quick", "--out", str(out)])
+    assert code == 0, buf.getvalue()[-3000:]
+    return out, buf.getvalue()
+
+
+def test_every_stage_ran_and_recorded_its_commands(demo):
+    out, stdout = demo
+    state = json.loads((out / "demo_state.json").read_text())
+    assert list(state["stages"]) == STAGES
+    assert all(s["done"] for s in state["stages"].values())
+    verbs = [c[0] for s in state["stages"].values() for c in s["commands"]]
+    for verb in ("tokenizer", "preprocess", "pretrain", "generate", "ptq", "qat", "analyze", "prune", "quantize",
+                 "eval", "export", "infer"):
+        assert verb in verbs, verb
+    for i, name in enumerate(STAGES, 1):
+        assert f"[{i:2d}/{len(STAGES)}]" in stdout, name
+    # the real artefacts exist
+    assert (out / "export" / "hf" / "config.json").is_file()
+    assert (out / "export" / "onnx_int8" / "model.onnx").is_file()
+    assert (out / "analysis" / "skip_tensor_map.yaml").is_file()
+    samples = json.loads((out / "samples.json").read_text())["results"]
+    assert len(samples) == 5 and all(r["completions"][0]["text"] for r in samples)
+
+
+def test_report_numbers_are_finite_and_checks_are_stated(demo):
+    out, _ = demo
+    rows = json.loads((out / "demo_state.json").read_text())["stages"]["evaluate"]["outputs"]
+    assert list(rows) == list(ROWS)
+    for key, r in rows.items():
+        for field in ("ppl", "loss", "cloze_acc", "tokens_per_s", "params", "size_bytes"):
+            assert isinstance(r[field], (int, float)) and math.isfinite(r[field]), (key, field)
+        assert r["tokens_per_s"] > 0 and r["size_bytes"] > 0 and r["ppl"] > 1
+    # pruning really made the model smaller; INT8 weights really are smaller on disk
+    assert rows["pruned"]["params"] < rows["float"]["params"]
+    assert rows["qat"]["size_bytes"] < rows["float"]["size_bytes"]
+    md = (out / "report.md").read_text()
+    for label in ROWS.values():
+        assert f"| {label} |" in md
+    checks = re.findall(r"^- (PASS|FAIL): (.+?):", md, flags=re.M)
+    assert [name for _, name in checks] == ["loss falls", "QAT better than PTQ", "pruned model faster than dense",
+                                            "every number finite", "every stage ran"]
+    assert dict((n, ok) for ok, n in checks)["loss falls"] == "PASS"
+    assert dict((n, ok) for ok, n in checks)["every number finite"] == "PASS"
+    # every row's reproduction commands are listed, as typed by a user
+    assert md.count("gptforge pretrain -c ") >= 2 and "gptforge quantize --ckpt" in md
+    assert "gptforge analyze --qat-ckpt" in md and "--top-k" in md
+
+
+class _Page(HTMLParser):
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.images, self.errors = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes <{self.stack[-1] if self.stack else None}>")
+        else:
+            self.stack.pop()
+
+
+def test_html_report_is_well_formed_and_its_images_exist(demo):
+    out, _ = demo
+    text = (out / "report.html").read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    page = _Page()
+    page.feed(text)
+    assert not page.errors and not page.stack
+    assert len(page.images) == 3
+    for src in page.images:
+        data = (out / src).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, src
+    assert "<table>" in text and "QAT INT8 after analysis" in text
+
+
+def test_a_second_run_resumes(demo, run_cli):
+    out, _ = demo
+    before = json.loads((out / "demo_state.json").read_text())["stages"]
+    code, stdout, err = run_cli("demo", "--quick", "--out", out)
+    assert code == 0, err
+    assert stdout.count("done in an earlier run") == len(STAGES) - 1  # the report is always rewritten
+    after = json.loads((out / "demo_state.json").read_text())["stages"]
+    assert {k: v["outputs"] for k, v in before.items() if k != "report"} == \
+        {k: v["outputs"] for k, v in after.items() if k != "report"}
+
+
+def test_refusals(demo, run_cli, tmp_path):
+    out, _ = demo
+    code, _, err = run_cli("demo", "--out", out)  # the default settings differ from the --quick run there
+    assert code == 2 and "other settings" in err and "--force" in err
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    code, _, err = run_cli("demo", "--quick", "--out", foreign)
+    assert code == 2 and "not a demo directory" in err and (foreign / "notes.txt").is_file()
+    for argv, needle in ((["--minutes", "0"], "--minutes"), (["--weight-bits", "9"], "--weight-bits"),
+                         (["--prune-ratio", "1"], "--prune-ratio"), (["--top-k", "0"], "--top-k")):
+        code, _, err = run_cli("demo", "--quick", "--out", tmp_path / "x", *argv)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_cloze_passages_end_on_a_word_seen_in_their_context():
+    doc = "\n".join(f"line {i} alpha beta gamma delta epsilon" for i in range(40)) + "\nfinal words here gamma"
+    ps = cloze_passages([doc], n=5, context_words=12)
+    assert ps
+    for p in ps:
+        words = p.split()
+        assert re.fullmatch(r"[A-Za-z]{4,}", words[-1]) and words[-1] in words[:-1]
+        assert len(words) >= 7 and doc.find(p) >= 0
