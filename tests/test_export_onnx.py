@@ -194,3 +194,18 @@ def test_torch_export_reloads_and_equals_eager(tmp_path):
         from gptforge.export.common import read_export_dir
 
         read_export_dir(tmp_path / "int8", "onnx")
+
+
+def test_check_verdicts():
+    from gptforge.errors import CheckpointError
+    from gptforge.export.program import verdict
+
+    verdict({"max_abs_diff": 9e-4, "max_abs_logit": 10.0}, "fp32")  # 1e-4 relative to the logits' size
+    with pytest.raises(CheckpointError, match="differ from PyTorch by 0.0011"):
+        verdict({"max_abs_diff": 1.1e-3, "max_abs_logit": 10.0}, "fp32")
+    verdict({"argmax_agreement": 0.99}, "int8")
+    with pytest.raises(CheckpointError, match="98.0% of greedy tokens"):
+        verdict({"argmax_agreement": 0.98}, "int8")
+    verdict({"argmax_agreement": 0.95, "rounding_floor_agreement": 0.96}, "int8")  # as close as PyTorch to itself
+    with pytest.raises(CheckpointError, match="the rounding floor 99.0%"):
+        verdict({"argmax_agreement": 0.95, "rounding_floor_agreement": 0.99}, "int8")

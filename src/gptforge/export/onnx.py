@@ -64,20 +64,22 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
         except onnx.checker.ValidationError as e:  # a bug, not user input: keep the message whole
             raise RuntimeError(f"onnx.checker rejected the exported graph: {e}") from e
         if check:
-            report.check = check_onnx(tmp / MODEL_FILE, model if prec == "int8" else gm, report)
+            report.check = check_onnx(tmp / MODEL_FILE, model, gm, report)
         report.seconds = round(time.perf_counter() - t0, 2)
         write_side_files(tmp, report, cfg, tokenizer)
     return report
 
 
-def check_onnx(path: Path, reference: nn.Module, report: ExportReport) -> dict:
-    """Logits of the ONNX model in onnxruntime vs `reference` (see `program.py`)."""
+def check_onnx(path: Path, model: nn.Module, gm: nn.Module, report: ExportReport) -> dict:
+    """Logits of the ONNX model in onnxruntime vs PyTorch (see `program.py`): the quantized
+    `model` for int8, else the traced float module `gm`."""
     from dataclasses import asdict
 
     from gptforge.export.ort_generate import make_session, session_runner
     from gptforge.export.program import check_program
 
     sess, gemm = make_session(path, asdict(report))
-    res = check_program(session_runner(sess, report.inputs), reference, report)
+    int8 = report.precision == "int8"
+    res = check_program(session_runner(sess, report.inputs), model if int8 else gm, report, gm if int8 else None)
     res["int8_gemm"] = gemm
     return res

@@ -7,7 +7,10 @@ random batch:
 - fp32: the largest logit difference must stay within 1e-4 x max(1, max|logit|);
 - int8: the greedy-argmax agreement with the quantized PyTorch model (fake-quant or INT8)
   must reach 99%. Bit equality is not expected: fp32 sums in another order can move a later
-  activation by one quantization step.
+  activation by one quantization step, and in a deep model with random or barely trained
+  weights such a step can grow to the size of the quantization noise. So below 99% the same
+  QDQ graph evaluated by PyTorch gives the rounding floor (two fp32 evaluations of one
+  quantized model), and the export passes when it is within 2 points of that floor.
 A failed check raises `CheckpointError` and nothing is written.
 """
 
@@ -25,6 +28,7 @@ from gptforge.export.common import META_FILE
 
 FP32_TOLERANCE = 1e-4  # x max(1, max|logit|)
 INT8_MIN_AGREEMENT = 0.99
+INT8_FLOOR_MARGIN = 0.02
 CHECK_ROWS, CHECK_TOKENS, CHECK_DECODE = 4, 32, 8
 
 
@@ -83,32 +87,43 @@ def check_ids(report: ExportReport, seed: int = 0) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def compare(reference: torch.Tensor, got: torch.Tensor, precision: str) -> dict:
-    """Numbers of an exported program against PyTorch; raises CheckpointError on failure."""
+def compare(reference: torch.Tensor, got: torch.Tensor) -> dict:
+    """Largest logit difference and greedy-argmax agreement of `got` against `reference`."""
     ref, got = reference.float(), got.float()
-    diff = float((ref - got).abs().max())
-    scale = max(1.0, float(ref.abs().max()))
-    agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    res = {"max_abs_diff": diff, "max_abs_logit": float(ref.abs().max()), "argmax_agreement": agree,
-           "positions": int(ref.shape[0] * ref.shape[1])}
-    if precision == "fp32" and diff > FP32_TOLERANCE * scale:
-        raise CheckpointError(f"the exported model's logits differ from PyTorch by {diff:.3g} (limit "
-                              f"{FP32_TOLERANCE * scale:.3g}); nothing was written (--no-check skips this check)")
-    if precision == "int8" and agree < INT8_MIN_AGREEMENT:
+    return {"max_abs_diff": float((ref - got).abs().max()), "max_abs_logit": float(ref.abs().max()),
+            "argmax_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            "positions": int(ref.shape[0] * ref.shape[1])}
+
+
+def verdict(res: dict, precision: str) -> None:
+    """Raise CheckpointError when a check result (see the module docstring) fails."""
+    if precision == "fp32":
+        limit = FP32_TOLERANCE * max(1.0, res["max_abs_logit"])
+        if res["max_abs_diff"] > limit:
+            raise CheckpointError(f"the exported model's logits differ from PyTorch by {res['max_abs_diff']:.3g} "
+                                  f"(limit {limit:.3g}); nothing was written (--no-check skips this check)")
+        return
+    agree, floor = res["argmax_agreement"], res.get("rounding_floor_agreement")
+    if agree < INT8_MIN_AGREEMENT and (floor is None or agree < floor - INT8_FLOOR_MARGIN):
+        vs = f", the rounding floor {floor:.1%}" if floor is not None else ""
         raise CheckpointError(f"the exported INT8 model agrees with the PyTorch quantized model on {agree:.1%} of "
-                              f"greedy tokens (< {INT8_MIN_AGREEMENT:.0%}); nothing was written "
+                              f"greedy tokens (< {INT8_MIN_AGREEMENT:.0%}{vs}); nothing was written "
                               "(--no-check skips this check)")
-    return res
 
 
-def check_program(run, reference: nn.Module, report: ExportReport) -> dict:
-    """Check a step function `run` (list of tensors -> list of tensors) against `reference`."""
+@torch.no_grad()
+def check_program(run, reference: nn.Module, report: ExportReport, twin: nn.Module | None = None) -> dict:
+    """Check a step function `run` (list of tensors -> list of tensors) against `reference`;
+    `twin` (the traced module, int8 only) measures the rounding floor when needed."""
     from gptforge.export.step import cached_logits, teacher_forced_logits
 
     ids, prompt = check_ids(report)
-    got = teacher_forced_logits(run, report.layer_heads, report.head_dim, ids, prompt)
-    res = compare(cached_logits(reference, ids, prompt), got, report.precision)
+    want = cached_logits(reference, ids, prompt)
+    res = compare(want, teacher_forced_logits(run, report.layer_heads, report.head_dim, ids, prompt))
+    if report.precision == "int8" and res["argmax_agreement"] < INT8_MIN_AGREEMENT and twin is not None:
+        res["rounding_floor_agreement"] = compare(want, cached_logits(twin, ids, prompt))["argmax_agreement"]
     res.update(prefill_tokens=prompt, decode_steps=int(ids.shape[1] - prompt))
+    verdict(res, report.precision)
     return res
 
 

@@ -49,7 +49,9 @@ def export_torch(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *
         del ep
         if check:
             loaded = torch.export.load(str(tmp / MODEL_FILE)).module()
-            report.check = check_program(lambda xs: list(loaded(*xs)), model if prec == "int8" else gm, report)
+            int8 = prec == "int8"
+            report.check = check_program(lambda xs: list(loaded(*xs)), model if int8 else gm, report,
+                                         gm if int8 else None)
         report.seconds = round(time.perf_counter() - t0, 2)
         write_side_files(tmp, report, cfg, tokenizer)
     return report
