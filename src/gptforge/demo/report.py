@@ -233,6 +233,11 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
           f"Cloze acc: LAMBADA-style strict whole-word accuracy on {data['cloze_examples']} passages cut from the "
           "same documents. The QAT and pruned rows trained "
           f"{steps['finetune']} more steps than the float row, as in the reference's recipes.")
+    if rows["qat"]["tokens_per_s"] < rows["float"]["tokens_per_s"]:
+        doc.p(f"INT8 is slower than fp32 here: at hidden size {s.shape.hidden} a Linear's matrix product is too "
+              "small for the int8 kernel's saving to pay for quantizing its input and dequantizing its output. "
+              "At the 345M shape the same INT8 path decodes 2.0x faster than fp32 on this kind of CPU "
+              "(benchmarks/results/2026-11-22-int8_speed.md).")
     doc.h(2, "Checks")
     doc.items([f"{'PASS' if ok else 'FAIL'}: {name}: {detail}" for ok, name, detail in _checks(d, rows)])
     doc.h(2, "Plots")
