@@ -1,4 +1,10 @@
-"""`gptforge convert`: HF GPT-2 / PaddleFleetX .pdparams / our directories → ours or HF."""
+"""`gptforge convert`: HF GPT-2 / PaddleFleetX .pdparams / our directories → ours or HF.
+
+A distributed step checkpoint (torch.distributed.checkpoint shards written by a multi-process
+`pretrain`) becomes a single-file model directory: the shards are read and joined in this one
+process, and the written config drops the run's parallel layout (`Distributed` back to its
+defaults), since one file has none.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ from gptforge.commands.common import add_config_args, ensure_out_dir
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, metavar="PATH",
-                   help="source: our model dir, an HF GPT-2 dir, a model.pdparams (or its dir)")
+                   help="source: our model dir (a distributed step_N checkpoint too), an HF GPT-2 dir, "
+                        "a model.pdparams (or its dir)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")
@@ -18,19 +25,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptforge.config import load_config
+    import dataclasses
+
+    from gptforge.config import DistributedConfig, load_config
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import load_model, resolve_checkpoint_path, save_hf_dir, save_model_dir
+    from gptforge.train.dist_checkpoint import is_distributed_checkpoint
 
     ensure_out_dir(args.out, args.force)
     src = resolve_checkpoint_path(args.src)
     cfg = load_config(args.config, args.override, ckpt_dir=src)
     model, cfg = load_model(src, cfg)
+    sharded = src.is_dir() and is_distributed_checkpoint(src)
+    if sharded:
+        cfg = dataclasses.replace(cfg, Distributed=DistributedConfig())
     tok = load_tokenizer(args.tokenizer or cfg.Data.tokenizer, src if src.is_dir() else None)
     if args.to == "hf":
         save_hf_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
     else:
         save_model_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
     n = sum(p.numel() for p in model.parameters())
-    print(f"converted {src} -> {args.out} ({args.to}, {n / 1e6:.2f}M parameters)")
+    what = f"{args.to}, {n / 1e6:.2f}M parameters" + (", joined from a distributed checkpoint" if sharded else "")
+    print(f"converted {src} -> {args.out} ({what})")
     return 0

@@ -7,11 +7,18 @@
 `--ckpt DIR` takes the config and tokenizer from DIR: a training checkpoint (step_N or a run
 directory) resumes exactly; a plain model directory (ours, HF GPT-2, .pdparams) starts a new
 run from its weights, like `-o Compress.pretrained=DIR`.
+
+Several processes (docs/distributed.md): launch the same command under torchrun; the
+`Distributed` section chooses data parallel, FSDP2 sharding and tensor parallel.
+
+    torchrun --nproc_per_node=8 -m gptforge pretrain -c configs/pretrain_gpt_1.3B_single_card.yaml
+    torchrun --nproc_per_node=2 -m gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml -o Distributed.mp_degree=2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from gptforge.commands.common import add_config_args, config_from_args
 from gptforge.errors import UsageError
@@ -55,5 +62,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(cfg.Data.tokenizer, tok_dir if tok_dir.is_dir() else None)
     result = pretrain(cfg, tokenizer=tokenizer, resume=resume, progress=False if args.no_progress else None)
     last = result.checkpoint_dir
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 speaks for the run
     print(f"gptforge pretrain: done at step {result.step}; checkpoint {last}; metrics {result.output_dir}/metrics.jsonl")
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import types
 import typing
@@ -438,15 +437,19 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
             "the model with Distributed.mp_degree (tensor parallel) and/or sharding (FSDP2) instead, see "
             "docs/distributed.md")
     sh = d.sharding.sharding_degree
-    degrees = {"dp_degree": d.dp_degree or 1, "mp_degree": d.mp_degree, "pp_degree": d.pp_degree,
-               "sharding.sharding_degree": sh}
-    product = math.prod(degrees.values())
-    if product != world:
-        wide = [f"Distributed.{k}={v}" for k, v in degrees.items() if v > 1] or ["Distributed.dp_degree=1"]
+    dp, others = d.dp_degree or 1, d.mp_degree * d.pp_degree * sh
+    if world % others:
+        named = {"mp_degree": d.mp_degree, "pp_degree": d.pp_degree, "sharding.sharding_degree": sh}
+        keys = " x ".join(f"Distributed.{k}={v}" for k, v in named.items() if v > 1)
         raise ConfigError(
-            f"{' x '.join(wide)}: needs {product} processes (dp_degree x mp_degree x pp_degree x sharding_degree) "
-            f"but WORLD_SIZE is {world}; launch with torchrun --nproc_per_node={product} (or across nodes), or "
-            "change the degrees (a blank dp_degree is derived from the world size)")
+            f"{keys}: needs a multiple of {others} processes (world = dp_degree x mp_degree x pp_degree x "
+            f"sharding_degree) but WORLD_SIZE is {world}; launch with torchrun --nproc_per_node={others} (or "
+            "more), or lower the degree")
+    if dp * others != world:
+        raise ConfigError(
+            f"Distributed.dp_degree={dp}: needs {dp * others} processes (dp_degree x mp_degree x pp_degree x "
+            f"sharding_degree) but WORLD_SIZE is {world}; leave dp_degree blank (it becomes {world // others}) "
+            f"or launch {dp * others} processes")
     if m.sequence_parallel and d.mp_degree <= 1:
         raise ConfigError("Model.sequence_parallel: needs Distributed.mp_degree > 1 (it splits the activations "
                           "of a tensor-parallel group); set Model.sequence_parallel=False")

@@ -101,8 +101,15 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
 
 
 def init_process_group(cfg: Config, device: torch.device, topo: Topology) -> bool:
-    """Join the default process group torchrun describes; True when this call created it
-    (the caller then owns its teardown)."""
+    """Join the default process group torchrun describes, once per process; True when this
+    call created it.
+
+    The group then lives until the process exits (an atexit hook tears it down) and later
+    runs in the same process reuse it: torch caches device meshes and their sub-groups
+    process-wide, so a destroyed and re-created group would leave stale groups behind them.
+    """
+    import atexit
+
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -117,14 +124,45 @@ def init_process_group(cfg: Config, device: torch.device, topo: Topology) -> boo
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend_for(cfg, device), rank=topo.rank, world_size=topo.world_size,
                             timeout=timeout, **kwargs)
+    atexit.register(_destroy)
     return True
 
 
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_MESHES: dict = {}
+_DATA_GROUPS: dict = {}
+
+
 def build_mesh(topo: Topology, device: torch.device):
-    """The 3-D ("dp", "sharding", "mp") DeviceMesh over all ranks (axes of size 1 included)."""
+    """The 3-D ("dp", "sharding", "mp") DeviceMesh over all ranks (axes of size 1 included);
+    one per layout and process, so repeated runs do not pile up process groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (topo.dp, topo.sharding, topo.mp), mesh_dim_names=MESH_DIMS)
+    key = (device.type, topo.world_size, topo.dp, topo.sharding, topo.mp)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device.type, (topo.dp, topo.sharding, topo.mp), mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
+
+
+def data_group(topo: Topology):
+    """The group of ranks holding the same tensor-parallel slice (same mp rank): the data
+    ranks a logged loss is averaged over. None (= every rank) without tensor parallel."""
+    import torch.distributed as dist
+
+    if topo.mp == 1:
+        return None
+    key = (topo.world_size, topo.mp)
+    if key not in _DATA_GROUPS:
+        # Every rank creates every group (a collective), then keeps its own.
+        _DATA_GROUPS[key], _ = dist.new_subgroups_by_enumeration(
+            [[r for r in range(topo.world_size) if r % topo.mp == m] for m in range(topo.mp)])
+    return _DATA_GROUPS[key]
 
 
 def dropout_seed(seed: int, topo: Topology) -> int:
@@ -134,5 +172,5 @@ def dropout_seed(seed: int, topo: Topology) -> int:
     return seed + 1024 + topo.world_size + topo.dp_rank * mp * pp + topo.sharding_rank * mp * pp * dp
 
 
-__all__ = ["BACKENDS", "MESH_DIMS", "Topology", "backend_for", "build_mesh", "dropout_seed", "env_rank",
+__all__ = ["BACKENDS", "MESH_DIMS", "Topology", "backend_for", "build_mesh", "data_group", "dropout_seed", "env_rank",
            "init_process_group", "rank_device", "topology"]

@@ -1,7 +1,7 @@
 """The parallelism seam between the trainer and torch.distributed.
 
 `init_parallel(cfg, device)` validates `Distributed`, joins the process group torchrun describes
-and returns a `ParallelContext`; `ctx.wrap(model)` applies the strategy from outside the model.
+(once per process: it lives until exit) and returns a `ParallelContext`; `ctx.wrap(model)` applies the strategy from outside the model.
 The context answers everything the trainer needs to know about other processes: its data rank
 and world (for the sampler), whether it writes files, how to skip gradient sync during
 accumulation, how to clip by the global norm, how to average a logged value, and how to get
@@ -46,7 +46,6 @@ class ParallelContext:
     sequence_parallel: bool = False
     sharding_stage: int = 2
     sharding_offload: bool = False
-    owns_group: bool = False
     data_group: Any = None  # ranks holding the same model slice (same mp rank); None = WORLD
     _ddp: Any = None
     _fsdp_root: Any = None
@@ -171,15 +170,6 @@ class ParallelContext:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def close(self) -> None:
-        """Tear down the process group, if this context created it."""
-        if self.owns_group:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self.owns_group = False
-
 
 def init_parallel(cfg: Config, device: torch.device | str = "cpu") -> ParallelContext:
     """Validate `Distributed` against WORLD_SIZE and, under torchrun, join the process group
@@ -194,20 +184,12 @@ def init_parallel(cfg: Config, device: torch.device | str = "cpu") -> ParallelCo
     if world == 1:
         return ParallelContext(topo=topo, device=device, seed=cfg.Global.seed)
     device = dist_env.rank_device(device, local_rank)
-    owns = dist_env.init_process_group(cfg, device, topo)
-    mesh = dist_env.build_mesh(topo, device)
-    data_group = None
-    if topo.mp > 1 and topo.data_world_size > 1:
-        import torch.distributed as dist
-
-        # One group per mp rank: the ranks that hold the same tensor-parallel slice.
-        data_group, _ = dist.new_subgroups_by_enumeration(
-            [[r for r in range(world) if r % topo.mp == m] for m in range(topo.mp)])
+    dist_env.init_process_group(cfg, device, topo)
     sh = cfg.Distributed.sharding
-    return ParallelContext(topo=topo, device=device, mesh=mesh, strategy=_strategy(topo),
+    return ParallelContext(topo=topo, device=device, mesh=dist_env.build_mesh(topo, device), strategy=_strategy(topo),
                            seed=dist_env.dropout_seed(cfg.Global.seed, topo),
                            sequence_parallel=cfg.Model.sequence_parallel, sharding_stage=sh.sharding_stage,
-                           sharding_offload=sh.sharding_offload, owns_group=owns, data_group=data_group)
+                           sharding_offload=sh.sharding_offload, data_group=dist_env.data_group(topo))
 
 
 def _strategy(topo: Topology) -> str:

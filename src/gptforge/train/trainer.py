@@ -524,12 +524,8 @@ def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
 
 def pretrain(cfg: Config, model: nn.Module | None = None, tokenizer=None, **kwargs) -> TrainResult:
     """Train `cfg` (a resolved Config) and return a `TrainResult`. Keyword arguments go to `Trainer`.
-    Under torchrun every process calls this; the process group it joined is left at the end."""
-    trainer = Trainer(cfg, model, tokenizer, **kwargs)
-    try:
-        return trainer.train()
-    finally:
-        trainer.par.close()
+    Under torchrun every process calls this (the process group stays for later runs until exit)."""
+    return Trainer(cfg, model, tokenizer, **kwargs).train()
 
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "load_pretrained", "pretrain", "seed_everything"]

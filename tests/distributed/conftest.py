@@ -1,0 +1,52 @@
+"""The runs every multi-process test reads: one single-process reference run and one torchrun
+launch of 2 gloo ranks that runs every world-2 job (process start-up is most of the cost)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_common import DROP, PARITY, SAVE_AT, SHARD, STEPS, single_run
+
+HERE = Path(__file__).resolve().parent
+
+
+def _jobs(root: Path) -> list[dict]:
+    from gptforge.config import save_config
+    from test_train_support import train_config
+
+    step3 = str(root / "runs" / "single" / f"step_{SAVE_AT}")
+    tp_yaml = root / "tp.yaml"
+    save_config(train_config(root, f"Engine.save_load.output_dir={root / 'runs' / 'tp'}", *PARITY["tp"],
+                             steps=STEPS), tp_yaml)
+    return [
+        *({"name": n, "overrides": o} for n, o in PARITY.items() if n != "tp"),
+        {"name": "tp", "cli": ["pretrain", "-c", str(tp_yaml), "--no-progress"]},
+        {"name": "resume_w1_tp", "overrides": ("Distributed.mp_degree=2",), "resume": step3},
+        {"name": "resume_w1_fsdp3", "overrides": (*SHARD, "Distributed.sharding.sharding_stage=3"), "resume": step3},
+        {"name": "ddp_drop", "overrides": (*DROP, "Engine.save_load.save_steps=2"), "steps": 4},
+        {"name": "ddp_drop_resume", "overrides": DROP, "steps": 4,
+         "resume": str(root / "runs" / "ddp_drop" / "step_2")},
+        {"name": "tp_drop", "overrides": (*DROP, "Distributed.mp_degree=2"), "steps": 2, "all_ranks": True},
+    ]
+
+
+@pytest.fixture(scope="session")
+def dist_runs(tmp_path_factory):
+    """(root, single-process TrainResult); world-2 results via `result(root, name)`."""
+    root = tmp_path_factory.mktemp("dist")
+    single = single_run(root, "single", f"Engine.save_load.save_steps={SAVE_AT}")
+    (root / "runs" / "fsdp2" / ".step_9.tmp-dist").mkdir(parents=True)  # a torn save of a killed run
+    (root / "jobs.json").write_text(json.dumps(_jobs(root)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(HERE / "run_jobs.py"), str(root / "jobs.json"), str(root)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    (root / "launch.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, single
+

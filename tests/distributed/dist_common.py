@@ -1,0 +1,40 @@
+"""Constants and helpers shared by the multi-process tests and their fixture (no tests here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+STEPS, SAVE_AT = 5, 3
+SHARD = ("Distributed.sharding.sharding_degree=2",)
+MICRO1 = ("Global.micro_batch_size=1",)  # 2 micro-batches per rank: accumulation under no_sync
+DROP = ("Model.hidden_dropout_prob=0.1", "Model.attention_probs_dropout_prob=0.1")
+# world-2 runs compared step by step with the single-process run ("tp" goes through the CLI)
+PARITY = {
+    "ddp": MICRO1,
+    "fsdp2": (*SHARD, "Distributed.sharding.sharding_stage=2", *MICRO1, "Engine.save_load.save_steps=1",
+              "Engine.save_load.keep_last=2"),
+    "fsdp3": (*SHARD, "Distributed.sharding.sharding_stage=3", f"Engine.save_load.save_steps={SAVE_AT}"),
+    "tp": ("Distributed.mp_degree=2", f"Engine.save_load.save_steps={SAVE_AT}"),
+    "tp_sp": ("Distributed.mp_degree=2", "Model.sequence_parallel=True"),
+}
+
+
+def single_run(root: Path, name: str, *overrides: str, resume=None):
+    """One process, one thread (as each rank): same kernels, so differences are only reduction order."""
+    from gptforge.train import pretrain
+    from test_train_support import train_config
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pretrain(train_config(root, f"Engine.save_load.output_dir={root / 'runs' / name}", *overrides,
+                                     steps=STEPS), resume=resume, progress=False, echo=False)
+    finally:
+        torch.set_num_threads(n)
+
+
+def result(root: Path, name: str) -> dict:
+    return json.loads((root / f"{name}.json").read_text())
