@@ -3,16 +3,10 @@ launch of 2 gloo ranks that runs every world-2 job (process start-up is most of 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from dist_common import DROP, PARITY, SAVE_AT, SHARD, STEPS, single_run
-
-HERE = Path(__file__).resolve().parent
+from dist_common import DROP, PARITY, SAVE_AT, SHARD, STEPS, launch, single_run
 
 
 def _jobs(root: Path) -> list[dict]:
@@ -41,12 +35,6 @@ def dist_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     single = single_run(root, "single", f"Engine.save_load.save_steps={SAVE_AT}")
     (root / "runs" / "fsdp2" / ".step_9.tmp-dist").mkdir(parents=True)  # a torn save of a killed run
-    (root / "jobs.json").write_text(json.dumps(_jobs(root)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(HERE / "run_jobs.py"), str(root / "jobs.json"), str(root)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    (root / "launch.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch(root, _jobs(root), nproc=2)
     return root, single
 

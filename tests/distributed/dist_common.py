@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve().parent
 
 STEPS, SAVE_AT = 5, 3
 SHARD = ("Distributed.sharding.sharding_degree=2",)
@@ -38,3 +43,15 @@ def single_run(root: Path, name: str, *overrides: str, resume=None):
 
 def result(root: Path, name: str) -> dict:
     return json.loads((root / f"{name}.json").read_text())
+
+
+def launch(root: Path, jobs: list[dict], nproc: int, timeout: float = 300) -> None:
+    """Run `jobs` (see run_jobs.py) in one `torchrun --standalone` launch of `nproc` gloo ranks;
+    the launch's output goes to `root/launch.log`."""
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", str(HERE / "run_jobs.py"), str(root / "jobs.json"), str(root)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    (root / "launch.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]

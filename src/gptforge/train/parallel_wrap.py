@@ -144,7 +144,8 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float) -> tor
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
                 raise RuntimeError(f"unreduced (Partial) gradient {g.placements}: cannot take its norm")
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # Any split placement (Shard, and the _StridedShard of FSDP2 over tensor parallel).
+            dims = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial()))
             key = (id(g.device_mesh), dims)
             kinds.setdefault(key, (g.device_mesh, dims, []))[2].append(g.to_local())
         else:
@@ -154,11 +155,12 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float) -> tor
         return torch.zeros(())
     total_sq = None
     for mesh, dims, ts in kinds.values():
-        sq = torch.stack([n.float() for n in torch._foreach_norm(ts, 2.0)]).square().sum()
+        # float64 across tensors: the sum runs over shards in another order than one process's.
+        sq = torch.stack([n.double() for n in torch._foreach_norm(ts, 2.0)]).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(d))
         total_sq = sq if total_sq is None else total_sq + sq
-    total = total_sq.sqrt()
+    total = total_sq.sqrt().float()
     if clip_norm > 0:
         coef = clip_norm / torch.clamp(total, min=clip_norm)
         torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
