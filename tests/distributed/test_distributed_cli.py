@@ -17,6 +17,7 @@ def test_torchrun_cli_then_convert_to_one_file(dist_runs, run_cli, tmp_path):
     root, single = dist_runs
     log = (root / "launch.log").read_text()
     assert log.count("gptforge pretrain: done at step 5") == 1  # rank 0 speaks for the run
+    assert "distributed: 2 processes (gloo), tp: dp 1 x sharding 1 x mp 2;" in log  # backend chosen from the device
     step = root / "runs" / "tp" / f"step_{SAVE_AT}"
     code, out, err = run_cli("convert", "--src", step, "--out", tmp_path / "one")
     assert code == 0, err

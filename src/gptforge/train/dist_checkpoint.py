@@ -235,24 +235,11 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optimizer: to
     if saved_layout == par.record() and len(rngs) == par.world_size:
         ckpt.set_rng_state(rngs[par.rank])
     else:
-        reseed(par, int(meta["step"]))
+        par.seed_rngs(int(meta["step"]))
         if par.is_main:
             _notice(f"resuming {p} (world {saved_layout.get('world_size')}) with world {par.world_size}: weights, "
                     "optimizer, schedule and data position continue exactly; dropout RNG streams restart")
     return meta
 
 
-def reseed(par, step: int) -> None:
-    """Seed every RNG from this rank's dropout seed and the step (a changed layout cannot
-    continue the saved streams)."""
-    import random
-
-    import numpy as np
-
-    s = par.seed + step
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-
-
-__all__ = ["is_distributed_checkpoint", "load_training_state", "read_model_tensors", "reseed", "save_distributed"]
+__all__ = ["is_distributed_checkpoint", "load_training_state", "read_model_tensors", "save_distributed"]

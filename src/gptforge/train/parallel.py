@@ -77,6 +77,16 @@ class ParallelContext:
         """The process that writes checkpoints, logs and metrics."""
         return self.rank == 0
 
+    def describe(self) -> str:
+        """One log line: processes, backend and layout."""
+        import torch.distributed as dist
+
+        t = self.topo
+        parts = [f"dp {t.dp}", f"sharding {t.sharding}" + (f" (stage {self.sharding_stage})" if t.sharding > 1 else ""),
+                 f"mp {t.mp}" + (" + sequence parallel" if self.sequence_parallel else "")]
+        return (f"distributed: {t.world_size} processes ({dist.get_backend()}), {self.strategy}: "
+                + " x ".join(parts) + f"; rank {t.rank} reads data slice {t.data_rank} of {t.data_world_size}")
+
     def record(self) -> dict:
         """The layout a checkpoint records (resume restores per-rank RNG only into the same one)."""
         return {"world_size": self.world_size, **self.topo.degrees(), "strategy": self.strategy}
@@ -152,6 +162,25 @@ class ParallelContext:
         v = value.detach().float().clone().to(self.device)
         dist.all_reduce(v, group=self.data_group)
         return v / self.data_world_size
+
+    def seed_rngs(self, step: int = 0) -> None:
+        """Seed the python, numpy and torch RNGs with this rank's dropout seed (plus `step`
+        when a resume cannot continue the saved streams)."""
+        import random
+
+        import numpy as np
+
+        s = self.seed + step
+        random.seed(s)
+        np.random.seed(s % 2**32)
+        torch.manual_seed(s)
+        if self.sequence_parallel and self.device.type == "cuda":
+            # Dropout on sequence shards goes through DTensor's RNG tracker, which on first use
+            # would broadcast rank 0's generator to every rank (one mask for all data ranks);
+            # creating it here skips that broadcast and keeps the per-rank seeds.
+            from torch.distributed.tensor._random import manual_seed
+
+            manual_seed(s, self.mesh["mp"])
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""

@@ -175,7 +175,7 @@ class Trainer:
         if self.par.distributed:
             # Every rank built the same weights from Global.seed; dropout now draws per rank
             # (same across a tensor-parallel group, different across data ranks).
-            seed_everything(self.par.seed)
+            self.par.seed_rngs()
         if e.compile:
             if self.device.type == "cpu":
                 _notice("Engine.compile on CPU: expect no speed-up at model scale and 10-50 s of compile time")
@@ -458,6 +458,8 @@ class Trainer:
                  f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
                  f"{cfg.Model.recompute_granularity if self.recomputed else 'off'}, output {self.output_dir}"
                  + (", glibc heap reuse on" if self.malloc_tuned else ""))
+        if self.par.distributed:
+            log.info(self.par.describe())
         if self.resume_dir is not None:
             log.info(f"resumed from {self.resume_dir} at step {start_step} "
                      f"({start_step * self.gbs} samples consumed)")
