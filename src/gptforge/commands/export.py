@@ -122,6 +122,9 @@ def _program(model, cfg, tok, args) -> int:
     check = (f"; check on {c['positions']} positions (prefill {c['prefill_tokens']} + {c['decode_steps']} cached "
              f"steps): max |logit diff| {c['max_abs_diff']:.2e}, argmax agreement {100 * c['argmax_agreement']:.2f}%"
              if c else "; not checked")
+    exact = c.get("fp64_agreement")
+    if exact:
+        check += f" (vs fp64 arithmetic: export {100 * exact['export']:.1f}%, PyTorch {100 * exact['pytorch']:.1f}%)"
     src = f" from a {r.source_kind} model" if r.source_kind != "float" else ""
     gemm = f", int8 GEMMs {c['int8_gemm']}" if c.get("int8_gemm") not in (None, "n/a") else ""
     print(f"gptforge export: {args.format} {r.precision}{src}, {r.num_layers} layers{check}{gemm} "

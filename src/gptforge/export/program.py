@@ -8,14 +8,17 @@ random batch:
 - int8: the greedy-argmax agreement with the quantized PyTorch model (fake-quant or INT8)
   must reach 99%. Bit equality is not expected: fp32 sums in another order can move a later
   activation by one quantization step, and in a deep model with random or barely trained
-  weights such a step can grow to the size of the quantization noise. So below 99% the same
-  QDQ graph evaluated by PyTorch gives the rounding floor (two fp32 evaluations of one
-  quantized model), and the export passes when it is within 2 points of that floor.
+  weights such a step can grow to the size of the quantization noise (measured: a random
+  345M-shape QAT model agrees with itself evaluated in fp64 on 94% of tokens). So below
+  99% both are compared with exact arithmetic, the traced QDQ module evaluated in fp64, and
+  the export passes when it is no further from it than the PyTorch model is (within 3 points:
+  the statistic of a few hundred tokens is noisy).
 A failed check raises `CheckpointError` and nothing is written.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +31,8 @@ from gptforge.export.common import META_FILE
 
 FP32_TOLERANCE = 1e-4  # x max(1, max|logit|)
 INT8_MIN_AGREEMENT = 0.99
-INT8_FLOOR_MARGIN = 0.02
-CHECK_ROWS, CHECK_TOKENS, CHECK_DECODE = 4, 32, 8
+INT8_FLOOR_MARGIN = 0.03
+CHECK_ROWS, CHECK_TOKENS, CHECK_DECODE = 8, 32, 8
 
 
 @dataclass
@@ -103,25 +106,30 @@ def verdict(res: dict, precision: str) -> None:
             raise CheckpointError(f"the exported model's logits differ from PyTorch by {res['max_abs_diff']:.3g} "
                                   f"(limit {limit:.3g}); nothing was written (--no-check skips this check)")
         return
-    agree, floor = res["argmax_agreement"], res.get("rounding_floor_agreement")
-    if agree < INT8_MIN_AGREEMENT and (floor is None or agree < floor - INT8_FLOOR_MARGIN):
-        vs = f", the rounding floor {floor:.1%}" if floor is not None else ""
+    agree = res["argmax_agreement"]
+    exact = res.get("fp64_agreement")  # {"export": .., "pytorch": ..} against exact arithmetic
+    if agree < INT8_MIN_AGREEMENT and (exact is None or exact["export"] < exact["pytorch"] - INT8_FLOOR_MARGIN):
+        vs = (f"; against fp64 arithmetic the export agrees on {exact['export']:.1%}, PyTorch on "
+              f"{exact['pytorch']:.1%}" if exact is not None else "")
         raise CheckpointError(f"the exported INT8 model agrees with the PyTorch quantized model on {agree:.1%} of "
-                              f"greedy tokens (< {INT8_MIN_AGREEMENT:.0%}{vs}); nothing was written "
+                              f"greedy tokens (< {INT8_MIN_AGREEMENT:.0%}){vs}; nothing was written "
                               "(--no-check skips this check)")
 
 
 @torch.no_grad()
 def check_program(run, reference: nn.Module, report: ExportReport, twin: nn.Module | None = None) -> dict:
     """Check a step function `run` (list of tensors -> list of tensors) against `reference`;
-    `twin` (the traced module, int8 only) measures the rounding floor when needed."""
+    `twin` (the traced module, int8 only) is run in fp64 when the agreement needs a yardstick."""
     from gptforge.export.step import cached_logits, teacher_forced_logits
 
     ids, prompt = check_ids(report)
     want = cached_logits(reference, ids, prompt)
-    res = compare(want, teacher_forced_logits(run, report.layer_heads, report.head_dim, ids, prompt))
+    got = teacher_forced_logits(run, report.layer_heads, report.head_dim, ids, prompt)
+    res = compare(want, got)
     if report.precision == "int8" and res["argmax_agreement"] < INT8_MIN_AGREEMENT and twin is not None:
-        res["rounding_floor_agreement"] = compare(want, cached_logits(twin, ids, prompt))["argmax_agreement"]
+        exact = cached_logits(copy.deepcopy(twin).double(), ids, prompt)
+        res["fp64_agreement"] = {"export": compare(exact, got)["argmax_agreement"],
+                                 "pytorch": compare(exact, want)["argmax_agreement"]}
     res.update(prefill_tokens=prompt, decode_steps=int(ids.shape[1] - prompt))
     verdict(res, report.precision)
     return res

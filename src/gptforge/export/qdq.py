@@ -62,9 +62,9 @@ def _(x, step, clip, zero_point):
 
 @torch.library.custom_op("gptforge::dequantize_weight", mutates_args=())
 def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
-    """(w - zero_point) x its step (0-d `scale`: per tensor; 1-d: along `axis`), in fp32."""
+    """(w - zero_point) x its step (0-d `scale`: per tensor; 1-d: along `axis`), in scale's dtype."""
     q = w.to(torch.int32) - zero_point.to(torch.int32).reshape(_bshape(w, zero_point, axis))
-    return q.float() * scale.reshape(_bshape(w, scale, axis))
+    return q.to(scale.dtype) * scale.reshape(_bshape(w, scale, axis))
 
 
 def _bshape(w: torch.Tensor, t: torch.Tensor, axis: int) -> list[int]:
@@ -77,7 +77,7 @@ def _bshape(w: torch.Tensor, t: torch.Tensor, axis: int) -> list[int]:
 
 @dequantize_weight.register_fake
 def _(w, scale, zero_point, axis):
-    return torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    return torch.empty(w.shape, dtype=scale.dtype, device=w.device)
 
 
 def _onnx_quantize_dequantize(x, step, clip, zero_point):
