@@ -13,6 +13,10 @@ the training state:
 The directory is assembled under a hidden temporary name and renamed into place
 (`model_io.atomic_dir`), so a crash or SIGKILL mid-write leaves at most a stale temp dir that
 the next run removes, and every `step_N` directory is complete.
+
+This is the format of a single-process run. A run over several processes writes
+torch.distributed.checkpoint shards instead of `model.safetensors` (and no optimizer in
+`training_state.pt`): see `dist_checkpoint.py`; the helpers here find and prune both.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The parallelism seam between the trainer and torch.distributed.
 
 `init_parallel(cfg, device)` validates `Distributed`, joins the process group torchrun describes
-(once per process: it lives until exit) and returns a `ParallelContext`; `ctx.wrap(model)` applies the strategy from outside the model.
-The context answers everything the trainer needs to know about other processes: its data rank
+(once per process: it lives until exit) and returns a `ParallelContext`; `ctx.wrap(model)`
+applies the strategy from outside the model. The context answers everything the trainer needs to know about other processes: its data rank
 and world (for the sampler), whether it writes files, how to skip gradient sync during
 accumulation, how to clip by the global norm, how to average a logged value, and how to get
 the plain model back. The trainer never imports torch.distributed.
@@ -19,7 +19,6 @@ Strategies (docs/distributed.md), on a ("dp", "sharding", "mp") device mesh:
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +27,6 @@ from torch import nn
 
 from gptforge.config.schema import Config
 from gptforge.train.dist_env import Topology
-
-
-def _notice(msg: str) -> None:
-    print(f"gptforge: {msg}", file=sys.stderr)
 
 
 @dataclass
@@ -104,10 +99,12 @@ class ParallelContext:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model (no DDP/compile wrappers) whose state_dict is saved."""
+        from torch.nn.parallel import DistributedDataParallel
+
         while True:
             if hasattr(model, "_orig_mod"):
                 model = model._orig_mod
-            elif isinstance(getattr(model, "module", None), nn.Module) and type(model).__name__ == "DistributedDataParallel":
+            elif isinstance(model, DistributedDataParallel):
                 model = model.module
             else:
                 return model
