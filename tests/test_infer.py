@@ -98,3 +98,19 @@ def test_infer_errors_are_one_line(run_cli, fp32, tmp_path):
     (broken / "gptforge_export.json").write_text((onnx_dir / "gptforge_export.json").read_text())
     (broken / "model.onnx").write_bytes(b"not a model")
     fails("--onnx", broken, "--prompt", "x", needle="onnxruntime cannot load it")
+
+
+def test_int8_storage_runs_exactly_on_any_cpu(run_cli, int8, tmp_path):
+    """`--qdq-dtype int8` (the reference's form): `auto` fuses it only where onnxruntime's s8
+    GEMM is exact, so `gptforge infer` still equals `gptforge generate`."""
+    from gptforge.export.ort_generate import s8_gemm_is_exact
+
+    model_dir, _ = int8
+    code, out, err = run_cli("export", "--format", "onnx", "--ckpt", model_dir, "--out", tmp_path / "s8",
+                             "--qdq-dtype", "int8")
+    assert code == 0, err
+    assert f"int8 GEMMs {'on' if s8_gemm_is_exact() else 'off'}" in out
+    meta = json.loads((tmp_path / "s8" / "gptforge_export.json").read_text())
+    assert meta["qdq_dtype"] == "int8" and meta["check"]["argmax_agreement"] >= 0.99
+    want, got = _both(run_cli, model_dir, tmp_path / "s8", "--prompt", PROMPTS[2], *GREEDY)
+    assert got == want
