@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "an ONNX model with past keys/values (fp32, or INT8 QDQ from a quantized model), or a "
                      "torch.export program (.pt2).")
     add_config_args(p, ckpt_help="the model directory to export (ours, HF GPT-2, .pdparams, QAT/PTQ, INT8, pruned)")
-    p.add_argument("--format", required=True, metavar="{hf,onnx,torch}", help="hf | onnx | torch")
+    p.add_argument("--format", required=True, metavar="{hf,onnx,torch}",
+                   help="hf: a transformers GPT-2 directory; onnx: the decoding-step graph (fp32 or INT8 QDQ); "
+                        "torch: the same step as a torch.export program")
     p.add_argument("--out", metavar="DIR", help="output directory (written atomically)")
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
