@@ -39,14 +39,9 @@ def describe(model: torch.nn.Module, cfg) -> str:
 
 
 @torch.no_grad()
-def forward_tokens_per_s(model: torch.nn.Module, batch: int, seq: int, vocab: int, repeats: int = 7) -> float:
-    """Scoring throughput: tokens/s of a full forward pass (logits of every position) at
-    batch x seq, best of `repeats` after a warm-up, on the model's device."""
-    model.eval()
-    dev = next(model.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(dev)
-    model(ids)
+def forward_seconds(model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> float:
+    """Best wall time of `repeats` full forward passes (logits of every position)."""
+    dev = ids.device
     best = float("inf")
     for _ in range(repeats):
         if dev.type == "cuda":
@@ -56,15 +51,35 @@ def forward_tokens_per_s(model: torch.nn.Module, batch: int, seq: int, vocab: in
         if dev.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
-    return batch * seq / best
+    return best
 
 
-def measure_model(path: str | Path, batch: int, seq: int, device: str = "auto") -> dict:
-    """{description, params, size_bytes, tokens_per_s} of the model directory at `path`."""
+def measure_models(paths: dict[str, str | Path], batch: int, seq: int, device: str = "auto",
+                   rounds: int = 5, repeats: int = 3) -> dict[str, dict]:
+    """{key: {description, params, size_bytes, tokens_per_s}} for model directories.
+
+    Speed is scoring throughput: tokens/s of a full forward pass at batch x seq on one random
+    batch. The models are timed in interleaved rounds (each round times every model) and each
+    keeps its best, so a disturbance on a busy machine hits all of them alike.
+    """
     from gptforge.commands.common import select_device
     from gptforge.model_io import load_model
 
-    model, cfg = load_model(path, device=select_device(device))
-    tps = forward_tokens_per_s(model, batch, seq, cfg.Model.vocab_size)
-    return {"description": describe(model, cfg), "params": shape_params(cfg), "size_bytes": size_on_disk(path),
-            "tokens_per_s": tps}
+    dev = select_device(device)
+    models, out = {}, {}
+    for key, path in paths.items():
+        model, cfg = load_model(path, device=dev)
+        models[key] = model.eval()
+        out[key] = {"description": describe(model, cfg), "params": shape_params(cfg),
+                    "size_bytes": size_on_disk(path)}
+    vocab = min(m.wte.weight.shape[0] for m in models.values())
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
+    best = {k: float("inf") for k in models}
+    for m in models.values():
+        forward_seconds(m, ids, 1)  # warm-up: allocator, kernel choice, packing
+    for _ in range(rounds):
+        for k, m in models.items():
+            best[k] = min(best[k], forward_seconds(m, ids, repeats))
+    for k in models:
+        out[k]["tokens_per_s"] = batch * seq / best[k]
+    return out

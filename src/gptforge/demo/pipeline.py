@@ -360,7 +360,7 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
     models = {k: models[k] for k in ROWS}
 
     def evaluate():
-        from gptforge.demo.measure import measure_model
+        from gptforge.demo.measure import measure_models
 
         sh = s.shape
         res = {}
@@ -372,8 +372,9 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
                   *common, "--output", p.evals / f"{row}_cloze.json")
             ppl = json.loads((p.evals / f"{row}_ppl.json").read_text())["metrics"]
             cloze = json.loads((p.evals / f"{row}_cloze.json").read_text())["metrics"]
-            res[row] = {"dir": path, "ppl": ppl["ppl"], "loss": ppl["avg_loss"], "cloze_acc": cloze["accuracy"],
-                        **measure_model(path, sh.batch, sh.seq, s.device)}
+            res[row] = {"dir": path, "ppl": ppl["ppl"], "loss": ppl["avg_loss"], "cloze_acc": cloze["accuracy"]}
+        for row, m in measure_models(models, sh.batch, sh.seq, s.device).items():
+            res[row].update(m)
         return res
 
     ev = d.stage(13, N, "evaluate", "evaluate every model: held-out perplexity, cloze accuracy, size, speed",

@@ -227,8 +227,8 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     doc.h(2, "Results")
     doc.table(*_table(rows))
     doc.p(f"tokens/s: forward-pass (scoring) throughput at batch {s.shape.batch} x {s.shape.seq} tokens on "
-          f"{steps['device']}, best of 7. INT8 rows are the real INT8 models (`gptforge quantize --convert`): their "
-          "quality, size and speed are those of the same files. Held-out loss / ppl: `gptforge eval` with the "
+          f"{steps['device']}, best of 5 interleaved rounds over the six models. INT8 rows are the real INT8 "
+          "models (`gptforge quantize --convert`): their quality, size and speed are those of the same files. Held-out loss / ppl: `gptforge eval` with the "
           f"WikiText method on {data['heldout_chars']:,} characters of Eval-split documents (never trained on). "
           f"Cloze acc: LAMBADA-style strict whole-word accuracy on {data['cloze_examples']} passages cut from the "
           "same documents. The QAT and pruned rows trained "
