@@ -33,3 +33,13 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return _run
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose a lot to a busy CI machine
+    (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from test_export_support import exported
 
@@ -17,12 +16,7 @@ PROMPTS = ["the quick brown fox", "pack my box", "sphinx of black quartz, judge 
 GREEDY = ["-o", "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=12"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

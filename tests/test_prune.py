@@ -13,14 +13,7 @@ from gptforge.compress.prune_scores import importance
 from gptforge.config.schema import PruneConfig
 from gptforge.model import build_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prune_cfg(**kw) -> PruneConfig:

@@ -52,13 +52,7 @@ def plant(model: nn.Module, kind: str) -> str:
     return PLANTED[kind]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and lose a lot to a busy CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog.", "pack my box with five dozen liquor jugs.",

@@ -17,14 +17,7 @@ from gptforge.compress.sparsity import (
     to_semi_structured,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_mask_keeps_the_two_largest_of_every_four():

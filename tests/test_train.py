@@ -17,14 +17,7 @@ from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer, clip_gr
 from gptforge.train.parallel import ParallelContext, setup_parallel
 from gptforge.train.recompute import apply_recompute, remove_recompute
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------------------- param groups
 

@@ -21,13 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run faster on one thread, and do not stall when other processes load the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _train(cfg, **kw):
     return pretrain(cfg, tokenizer=small_tokenizer(), progress=False, echo=False, **kw)

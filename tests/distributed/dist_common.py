@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,11 +48,21 @@ def result(root: Path, name: str) -> dict:
 
 def launch(root: Path, jobs: list[dict], nproc: int, timeout: float = 300) -> None:
     """Run `jobs` (see run_jobs.py) in one `torchrun --standalone` launch of `nproc` gloo ranks;
-    the launch's output goes to `root/launch.log`."""
+    the launch's output goes to `root/launch.log`. torchrun and its ranks run in their own
+    process group, so a launch that hangs past `timeout` is killed whole (no orphaned rank
+    left waiting on a collective)."""
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={nproc}", str(HERE / "run_jobs.py"), str(root / "jobs.json"), str(root)],
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    (root / "launch.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={nproc}", str(HERE / "run_jobs.py"), str(root / "jobs.json"),
+                             str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        (root / "launch.log").write_text(out + err)
+        raise AssertionError(f"torchrun launch did not finish in {timeout:.0f}s (killed); see {root / 'launch.log'}") from None
+    (root / "launch.log").write_text(out + err)
+    assert proc.returncode == 0, err[-4000:]
