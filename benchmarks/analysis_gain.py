@@ -44,8 +44,7 @@ from qat_quality import (  # noqa: E402
     overrides,
     quant_overrides,
     run_dir,
-    tokenizer,
-    train_float,
+    setup_run,
 )
 
 
@@ -117,13 +116,8 @@ def main() -> int:
     from gptforge.compress.sensitivity_report import skip_tensor_map
     from gptforge.compress.sensitivity_run import run_analysis, split_batches
 
-    torch.manual_seed(0)
-    work = Path(args.work)
-    args.root = work / f"p{args.float_steps}_s{args.steps}_lr{args.lr:g}_{args.batch}x{args.seq}"
-    args.root.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    tok, tok_dir = tokenizer(work)
-    start, tuned = train_float(work, tok, tok_dir, args)
+    tok, tok_dir, start, tuned = setup_run(args)
     fcfg = load_model(tuned)[1]
     n_a, n_r = args.analysis_batches, args.report_batches
     every = split_batches(fcfg, tok, "Eval", n_a + n_r)

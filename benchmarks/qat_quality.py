@@ -118,6 +118,19 @@ def train_float(work, tok, tok_dir, args) -> tuple[Path, Path]:
     return start, run_dir(tuned, args.steps)
 
 
+def setup_run(args) -> tuple:
+    """(tokenizer, its dir, pretrained float checkpoint, fine-tuned float checkpoint) for the run
+    directory `args.root` under `--work` (named by the float/fine-tune settings; shared with
+    analysis_gain.py, so either benchmark reuses what the other trained)."""
+    torch.manual_seed(0)
+    work = Path(args.work)
+    args.root = work / f"p{args.float_steps}_s{args.steps}_lr{args.lr:g}_{args.batch}x{args.seq}"
+    args.root.mkdir(parents=True, exist_ok=True)
+    tok, tok_dir = tokenizer(work)
+    start, tuned = train_float(work, tok, tok_dir, args)
+    return tok, tok_dir, start, tuned
+
+
 def quant_overrides(bits: int, wtype: str, pact: bool, extra=()) -> list[str]:
     return ["Compress.Quantization.enable=True", f"Compress.Quantization.weight_bits={bits}",
             f"Compress.Quantization.weight_quantize_type={wtype}",
@@ -159,13 +172,8 @@ def main() -> int:
     from gptforge.compress.ptq import ptq
     from gptforge.compress.qat import qat
 
-    torch.manual_seed(0)
-    work = Path(args.work)
-    args.root = work / f"p{args.float_steps}_s{args.steps}_lr{args.lr:g}_{args.batch}x{args.seq}"
-    args.root.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    tok, tok_dir = tokenizer(work)
-    start, tuned = train_float(work, tok, tok_dir, args)
+    tok, tok_dir, start, tuned = setup_run(args)
     float_model, fcfg = load_model(tuned)
     batches = eval_batches(fcfg, tok, args.eval_batches)
     float_loss = eval_loss(float_model, batches)
