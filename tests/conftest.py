@@ -43,3 +43,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# The two ONNX exports the export and infer tests share (`exported` makes each once per session).
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """(model dir, ONNX dir): the fp32 export of the pruned test model (test_export_support)."""
+    from test_export_support import exported
+
+    return exported(str(tmp_path_factory.getbasetemp()), "pruned")
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory):
+    """(model dir, ONNX dir): the INT8 QDQ export of the QAT test model (test_export_support)."""
+    from test_export_support import exported
+
+    return exported(str(tmp_path_factory.getbasetemp()), "qat")

@@ -131,6 +131,10 @@ def test_refusals(demo, run_cli, tmp_path):
     (foreign / "notes.txt").write_text("keep me")
     code, _, err = run_cli("demo", "--quick", "--out", foreign)
     assert code == 2 and "not a demo directory" in err and (foreign / "notes.txt").is_file()
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    code, _, err = run_cli("demo", "--quick", "--out", a_file)
+    assert code == 2 and "is a file" in err
     for argv, needle in ((["--minutes", "0"], "--minutes"), (["--weight-bits", "9"], "--weight-bits"),
                          (["--prune-ratio", "1"], "--prune-ratio"), (["--top-k", "0"], "--top-k")):
         code, _, err = run_cli("demo", "--quick", "--out", tmp_path / "x", *argv)

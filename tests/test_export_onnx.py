@@ -12,23 +12,13 @@ import torch
 
 from gptforge.export.step import cached_logits, teacher_forced_logits
 from gptforge.model_io import load_model
-from test_export_support import exported, pruned_model, qat_model
+from test_export_support import pruned_model, qat_model
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
-    return exported(str(tmp_path_factory.getbasetemp()), "pruned")
-
-
-@pytest.fixture(scope="module")
-def int8(tmp_path_factory):
-    return exported(str(tmp_path_factory.getbasetemp()), "qat")
 
 
 def _session(onnx_dir, **kw):

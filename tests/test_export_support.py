@@ -82,3 +82,4 @@ def exported(root: str, name: str) -> tuple[Path, Path]:
     code = main(["export", "--format", "onnx", "--ckpt", str(src), "--out", str(base / "onnx")])
     assert code == 0
     return src, base / "onnx"
+

@@ -8,8 +8,6 @@ import json
 
 import pytest
 
-from test_export_support import exported
-
 pytest.importorskip("onnxruntime")
 
 PROMPTS = ["the quick brown fox", "pack my box", "sphinx of black quartz, judge my"]
@@ -17,16 +15,6 @@ GREEDY = ["-o", "Generation.decode_strategy=greedy_search", "-o", "Generation.ma
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
-    return exported(str(tmp_path_factory.getbasetemp()), "pruned")
-
-
-@pytest.fixture(scope="module")
-def int8(tmp_path_factory):
-    return exported(str(tmp_path_factory.getbasetemp()), "qat")
 
 
 def _both(run_cli, model_dir, onnx_dir, *args):

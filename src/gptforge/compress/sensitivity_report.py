@@ -3,35 +3,15 @@ and the `skip_tensor_map` that leaves the top-k layers float in the next QAT run
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from gptforge.compress.quant import _OURS, LAYER_KINDS
 from gptforge.compress.sensitivity import Analysis, LayerResult
+from gptforge.evaluate.common import write_atomic
 
 TXT, JSON_FILE, PNG, SKIP_YAML = "analysis.txt", "analysis.json", "analysis.png", "skip_tensor_map.yaml"
-
-
-def _write_atomic(path: Path, write) -> Path:
-    """Call `write(tmp_path)` on a temporary name in the same directory, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    return _write_atomic(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 # ------------------------------------------------------------------------- analysis.txt
@@ -140,6 +120,6 @@ def plot_ranking(analysis: Analysis, path: str | os.PathLike, title: str | None 
         ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items() if k in kinds], fontsize=8,
                   loc="lower right")
         fig.tight_layout()
-        return _write_atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     finally:
         plt.close(fig)

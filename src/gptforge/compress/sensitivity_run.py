@@ -29,6 +29,7 @@ from gptforge.compress import sensitivity as sens
 from gptforge.compress import sensitivity_report as rep
 from gptforge.config.schema import Config
 from gptforge.errors import ConfigError, UsageError
+from gptforge.evaluate.common import write_text_atomic
 
 
 def _notice(msg: str, echo: bool) -> None:
@@ -219,7 +220,7 @@ def run_analysis(cfg: Config, *, qat_ckpt=None, float_ckpt=None, mode: str = "qa
                             state_path=state_path, fingerprint=fingerprint, resume=resume, progress=progress)
     if mode == "ptq":
         analysis.float_value = analysis.base_value
-    files = {"json": state_path, "txt": rep.write_text_atomic(out / rep.TXT, "\n".join(rep.analysis_lines(analysis)) + "\n")}
+    files = {"json": state_path, "txt": write_text_atomic(out / rep.TXT, "\n".join(rep.analysis_lines(analysis)) + "\n")}
     if plot:
         files["png"] = rep.plot_ranking(analysis, out / rep.PNG)
     run = AnalysisRun(analysis, out, files, rep.suggest_k(analysis), notes=notes)
@@ -243,7 +244,7 @@ def _skip_list(run: AnalysisRun, cfg: Config, k: int, qat_ckpt, float_ckpt, conf
     run.skip_map = rep.skip_tensor_map([r.name for r in chosen], base)
     if base:
         run.notes.append(f"the analysed model's own skip_tensor_map {rep.flow_map(base)} is kept in the new map")
-    run.files["skip_yaml"] = rep.write_text_atomic(run.out_dir / rep.SKIP_YAML,
+    run.files["skip_yaml"] = write_text_atomic(run.out_dir / rep.SKIP_YAML,
                                                    rep.skip_yaml(run.skip_map, chosen, run.analysis))
     run.override = rep.override_arg(run.skip_map)
     conf = config_file or (str(resolve_checkpoint_path(qat_ckpt) / "config.yaml") if qat_ckpt else None)

@@ -13,9 +13,9 @@ first unfinished stage. Other settings in an existing directory are refused unle
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -26,8 +26,10 @@ from pathlib import Path
 
 from gptforge.demo.plan import PROMPTS, SPLIT, Paths, Settings, Steps, calibrate, write_configs
 from gptforge.errors import GPTForgeError, UsageError
+from gptforge.evaluate.common import write_json_atomic
 
 STATE_FORMAT = "gptforge-demo/1"
+STAGES = 15  # run_demo's stages, the report included
 
 # Rows of the report: key -> (label, model directory kind)
 ROWS = {
@@ -103,6 +105,12 @@ class Demo:
 
     def _open_state(self, force: bool) -> None:
         p = self.p
+        if p.out.exists() and not p.out.is_dir():
+            raise UsageError(f"{p.out}: is a file; --out must name a directory")
+        missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+        if missing:  # the export stage needs them: say so now, not after the training stages
+            raise UsageError(f"the demo exports to ONNX and needs {' and '.join(missing)}: "
+                             "pip install 'gptforge[export]' (make demo installs it)")
         if p.state.is_file():
             try:
                 doc = json.loads(p.state.read_text())
@@ -124,9 +132,7 @@ class Demo:
     def _save(self) -> None:
         doc = {"format": STATE_FORMAT, "settings": _jsonable(self.s.fingerprint()),
                "stages": {k: asdict(v) for k, v in self.records.items()}}
-        tmp = self.p.state.with_name(self.p.state.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
-        os.replace(tmp, self.p.state)
+        write_json_atomic(self.p.state, doc, default=str)
 
     def out(self, stage: str) -> dict:
         return self.records[stage].outputs
@@ -234,7 +240,7 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
     d = Demo(settings, force=force, echo=echo)
     s, p = settings, d.p
     t_start = time.perf_counter()
-    N = 15
+    N = STAGES
     d.say(f"gptforge demo: {'quick, ' if s.quick else ''}budget {s.minutes:g} min, output {p.out}")
 
     d.stage(1, N, "tokenizer", f"learn a {s.vocab_size}-token BPE on the built-in corpus", lambda: (

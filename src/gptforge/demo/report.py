@@ -18,7 +18,6 @@ import torch
 
 from gptforge import __version__
 
-STAGES = 15  # run_demo's stage count, the report included
 PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
 
 
@@ -116,6 +115,8 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
 
 
 def _checks(d, rows: dict) -> list[tuple[bool, str, str]]:
+    from gptforge.demo.pipeline import STAGES
+
     pre = d.out("pretrain")
     first, last = pre["train"][0][1], pre["train"][-1][1]
     ev = pre["eval"]
@@ -146,7 +147,7 @@ def _table(rows: dict) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def _row_commands(d) -> dict[str, list[str]]:
+def _row_commands() -> dict[str, list[str]]:
     """Stage names whose commands produce each row (in order)."""
     return {"float": ["tokenizer", "data", "pretrain"], "ptq": ["ptq", "int8:ptq"], "qat": ["qat", "int8:qat"],
             "qat_skip": ["analysis", "qat_skip", "int8:qat_skip"], "pruned": ["prune"],
@@ -263,7 +264,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     doc.p("Each row's commands (run after the data commands of the first row):")
     from gptforge.demo.pipeline import ROWS
 
-    for key, refs in _row_commands(d).items():
+    for key, refs in _row_commands().items():
         doc.h(3, ROWS[key])
         doc.code([c for ref in refs for c in _commands_for(d, ref)])
     doc.h(3, "every stage, in order")

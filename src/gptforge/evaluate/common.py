@@ -216,21 +216,31 @@ def amp_dtype_for(cfg, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if str(mp.dtype).lower() in ("bfloat16", "bf16") else torch.float16
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, default=None) -> Path:
-    """Write JSON under a temporary name in the same directory, then rename."""
+def write_atomic(path: str | os.PathLike, write) -> Path:
+    """Call `write(tmp_path)` on a temporary name in the same directory, then rename it to
+    `path`: readers see the old file or the new one, never half of one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, ensure_ascii=False, default=default)
-            f.write("\n")
+        write(tmp)
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return p
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`write_atomic` of a UTF-8 text file."""
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, default=None) -> Path:
+    """`write_atomic` of a JSON file."""
+    return write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False, default=default) + "\n")
 
 
 def read_text(path: str | os.PathLike) -> str:
