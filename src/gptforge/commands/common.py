@@ -6,10 +6,10 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from gptforge.errors import ConfigError, UsageError
+from gptforge.device import select_device  # noqa: F401 - re-exported for the verbs
+from gptforge.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
     from gptforge.config import Config
 
@@ -33,24 +33,6 @@ def config_from_args(args: argparse.Namespace, require: bool = False, world_size
     if require and not args.config and not ckpt:
         raise UsageError("give a config with -c FILE (or a model with --ckpt DIR)")
     return load_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
-
-
-def select_device(spec: str) -> torch.device:
-    """`Global.device`: auto | cpu | cuda | gpu | cuda:N."""
-    import torch
-
-    s = (spec or "auto").lower()
-    if s == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if s == "gpu":
-        s = "cuda"
-    if s.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"Global.device: {spec!r} requested but no CUDA device is available; use -o Global.device=cpu")
-        return torch.device(s)
-    if s == "cpu":
-        return torch.device("cpu")
-    raise ConfigError(f"Global.device: {spec!r} is not one of auto, cpu, cuda, gpu, cuda:N")
 
 
 def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:

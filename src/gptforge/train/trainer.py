@@ -115,8 +115,8 @@ class Trainer:
                  transform: Callable[[nn.Module], nn.Module] | None = None,
                  datasets: dict | None = None, resume: str | Path | None = None,
                  progress: bool | None = None, echo: bool = True):
-        from gptforge.commands.common import select_device
         from gptforge.config import check_train_shapes
+        from gptforge.device import select_device
 
         check_train_shapes(cfg)
         self.cfg = cfg
