@@ -222,6 +222,9 @@ def test_converted_checkpoint_loads_evaluates_and_dequantizes(tmp_path):
     save_model_dir(fq, cfg, tmp_path / "qat")
     res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", int8_embedding=True, echo=False)
     assert res.check_data == "random ids" and res.sqnr_db >= 35 and res.int8_layers == 8
+    # the report names the INT8 path its check ran on (the automatic one here) and the CPU
+    auto = f"fbgemm {cpu_kernels.fbgemm_kernel()}" if fast_kernel_available() else "dequantized fp32 (no fbgemm)"
+    assert res.check_kernel == auto and cpu_kernels.cpu_info()["model"] in res.cpu
     loaded, lcfg = load_model(tmp_path / "int8")
     assert lcfg.Compress.Quantization.converted and lcfg.Compress.Quantization.quantize_embedding
     assert isinstance(loaded.blocks[1].attn.qkv_proj, Int8Linear) and isinstance(loaded.wte, Int8Embedding)

@@ -64,10 +64,12 @@ def cpu_info() -> dict:
             "torch_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def describe() -> str:
-    """One line for logs and benchmark records: CPU, flags, and what the probes found."""
+def describe(onnxruntime: bool = True) -> str:
+    """One line for logs and benchmark records: CPU, flags, and what the probes found
+    (onnxruntime's too unless `onnxruntime=False`)."""
     info = cpu_info()
-    ort = ", ".join(f"onnxruntime {d} {'exact' if e else 'inexact'}" for d, e in ort_probes().items())
+    probes = ort_probes() if onnxruntime else {}
+    ort = ", ".join(f"onnxruntime {d} storage fused {'exact' if e else 'inexact'}" for d, e in probes.items())
     fb = fbgemm_plain_is_exact()
     return (f"{info['model']} ({info['machine']}; flags: {' '.join(info['flags']) or 'none of ' + '/'.join(INT8_FLAGS)}; "
             f"torch capability {info['torch_capability']}); fbgemm plain u8*s8 "
