@@ -118,14 +118,15 @@ def test_qdq_module_equals_the_fake_quant_model_in_both_encodings():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _one_linear_error(tmp_path, dtype: str, int8_gemm: str) -> tuple[float, str]:
+def _one_linear_error(tmp_path, dtype: str, int8_gemm: str, wmax: int = 127) -> tuple[float, str]:
     """(largest error / largest output against exact int8 arithmetic, the mode used) of one
-    full-range Linear in onnxruntime, stored as `dtype`, through `make_session`."""
+    Linear with weights in ±wmax and full-range activations in onnxruntime, stored as `dtype`,
+    through `make_session`."""
     from gptforge.compress.cpu_kernels import one_linear_qdq_graph
     from gptforge.export.ort_generate import make_session
 
     rng = np.random.default_rng(0)
-    w = rng.integers(-127, 128, (256, 64)).astype(np.int8)
+    w = rng.integers(-wmax, wmax + 1, (256, 64)).astype(np.int8)
     ws, step = (rng.random(64).astype(np.float32) * 0.01 + 0.001), 0.05
     xq = rng.integers(-127, 128, (8, 256)).astype(np.float64)  # full-range activations, away from rounding ties
     x = ((xq + rng.uniform(-0.4, 0.4, xq.shape)) * step).astype(np.float32)
@@ -164,6 +165,17 @@ def test_automatic_int8_gemm_is_exact_on_this_cpu(tmp_path, dtype):
 
     err, mode = _one_linear_error(tmp_path, dtype, "auto")
     assert err < 1e-5 and mode == ("on" if ort_gemm_is_exact(dtype) else "off")
+
+
+@pytest.mark.usefixtures("no_forced_gemm")
+def test_a_cpu_where_the_s8_kernel_is_exact_fuses_int8_storage(tmp_path, monkeypatch):
+    """The VNNI branch on any CPU: weights in ±7 cannot overflow int16 pair sums (2 x 255 x 7),
+    so the fused s8 kernel is exact here too; a probe saying 'exact' must fuse it."""
+    from gptforge.compress import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "ort_gemm_is_exact", lambda d: True)
+    err, mode = _one_linear_error(tmp_path, "int8", "auto", wmax=7)
+    assert mode == "on" and err < 1e-5, err
 
 
 def test_int8_gemm_and_storage_choice_follow_the_probe_and_can_be_forced(monkeypatch):

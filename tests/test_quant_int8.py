@@ -131,6 +131,27 @@ def test_head_is_exact_on_the_split_path_and_equal_on_both_where_plain_is_exact(
         torch.testing.assert_close(got["plain"], got["split"], rtol=1e-6, atol=1e-6 * float(want.abs().max()))
 
 
+@fast
+@pytest.mark.parametrize("atype", ["moving_average_abs_max", "abs_max"])
+def test_a_cpu_where_plain_is_exact_gets_plain_and_the_fake_quant_numbers(atype, monkeypatch):
+    """The VNNI branch on any CPU: 4-bit weights (|w| <= 7) cannot overflow int16 pair sums
+    (2 x 255 x 7), so the plain call is exact here too; a probe saying 'exact' must pick it."""
+    monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda: True)
+    calls = []
+    real = cpu_kernels.fbgemm_kernel
+    monkeypatch.setattr(int8_mod, "fbgemm_kernel", lambda k=None: calls.append(real(k)) or calls[-1])
+    fq = _trained_layer(weight_bits=4, activation_quantize_type=atype, activation_preprocess_type="PACT")
+    q = Int8Linear.from_quant(fq)
+    x = torch.randn(3, 7, 96) * 2
+    with torch.no_grad():
+        want, got = fq(x), q(x)
+    assert set(calls) == {"plain"}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    set_kernel(q, "split")
+    torch.testing.assert_close(q(x), got, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert calls[-1] == "split"
+
+
 def test_auto_follows_the_probe_and_the_environment_forces_a_path(monkeypatch):
     for exact, auto in ((True, "plain"), (False, "split"), (None, "split")):  # None: no fbgemm
         monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda e=exact: e)
