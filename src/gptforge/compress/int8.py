@@ -18,10 +18,12 @@ of at most 127 cannot overflow (2 x 127 x 127 < 32767). Two paths (`cpu_kernels.
   every CPU, for twice the rows (decoding is bound by reading the weights, which a second row
   does not change; long prefills pay twice the int8 compute);
 - `plain`: one call with zero point 128, exact only where fbgemm's kernel does not saturate
-  (e.g. AVX-512 VNNI), about twice as fast.
+  (e.g. AVX-512 VNNI): the same call on half the rows, 1.2x (1 row) to 2x (8+ rows) faster
+  (benchmarks/results/2026-11-23-int8-kernel-choice.md).
 
 `auto` (the default) takes `plain` where a one-time probe of the kernel finds it exact, else
 `split`; `GPTFORGE_INT8_KERNEL=split|plain` or `set_kernel(model, ...)` forces one.
+
 Activations that are not quantized in the fake-quant model (the LM head's input) use two
 int8 digits (x ≈ s·q1 + s/254·q2), i.e. weight-only int8 with ~16-bit activations.
 
