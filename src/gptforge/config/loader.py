@@ -20,6 +20,7 @@ from typing import Any, Union
 import yaml
 
 from gptforge.config.aliases import normalize_path, normalize_raw
+from gptforge.config.recipes import locate, packaged_fallback
 from gptforge.config.schema import Config, ModelConfig
 from gptforge.errors import ConfigError
 
@@ -79,8 +80,12 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def load_raw(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A YAML file with its `_base_` chain resolved (paths relative to the including file)."""
-    p = Path(path).resolve()
+    """A YAML file with its `_base_` chain resolved (paths relative to the including file).
+
+    `path` may also name a packaged recipe (`pretrain_gpt_tiny_cpu`, `configs/<name>.yaml`);
+    so may a `_base_` entry that is not a file next to the including one.
+    """
+    p = (locate(path) if not _seen else Path(path)).resolve()
     if p in _seen:
         chain = " -> ".join(str(s) for s in (*_seen, p))
         raise ConfigError(f"{p}: _base_ inheritance loops ({chain})")
@@ -93,7 +98,10 @@ def load_raw(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str,
                 raise ConfigError(f"{p}: _base_ must be a file path or a list of paths, got {b!r}")
             bp = Path(b) if os.path.isabs(b) else p.parent / b
             if not bp.exists():
-                raise ConfigError(f"{p}: _base_ file not found: {b}")
+                bp = packaged_fallback(b)
+                if bp is None:
+                    raise ConfigError(f"{p}: _base_ file not found: {b} (nor a packaged recipe of that name; "
+                                      "`gptforge config list` shows them)")
             merged = deep_merge(merged, load_raw(bp, (*_seen, p)))
     return deep_merge(merged, normalize_raw(data))
 
