@@ -76,8 +76,6 @@ def packaged_fallback(spec: str) -> Path | None:
     p = Path(spec)
     if str(p.parent) not in ("", ".") and p.parent.name not in LEGACY_DIRS:
         return None
-    if p.suffix and p.suffix not in SUFFIXES:
-        return None
     return recipe_path(p.name)
 
 
