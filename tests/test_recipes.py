@@ -147,7 +147,9 @@ def test_preset_rules():
     assert (cfg.Model.hidden_size, cfg.Model.num_layers, cfg.Model.max_position_embeddings) == (128, 2, 256)
     # A trained tokenizer keeps the preset's own vocabulary.
     assert load_config(overrides=["Model.preset=mini", "Data.tokenizer=runs/tok8k"]).Model.vocab_size == 8192
-    assert load_config(overrides=["Model.preset=mini"]).Model.vocab_size == 50304
+    assert load_config(overrides=["Model.preset=mini", "Data.tokenizer=gpt2"]).Model.vocab_size == 50304
+    # A blank tokenizer may be a checkpoint's: the preset's size stays (the trainer names the fix).
+    assert load_config(overrides=["Model.preset=mini"]).Model.vocab_size == 8192
     # An explicit sequence length in the preset's own layer is judged, not lowered.
     cfg = load_config(overrides=["Model.preset=tiny", "Data.Train.dataset.max_seq_len=512"])
     with pytest.raises(ConfigError, match="Data.Train.dataset.max_seq_len: 512 exceeds"):
@@ -174,6 +176,14 @@ def _pretrain(run_cli, tmp_path, *overrides: str):
     for o in overrides:
         args += ["-o", o]
     return run_cli(*args)
+
+
+def test_preset_vocabulary_that_misses_gpt2_names_the_override(run_cli, tmp_path):
+    code, _, err = run_cli("pretrain", "-c", "pretrain_gpt_base", "-o", "Model.preset=tiny", "-o", "Global.device=cpu",
+                           "-o", "Data.Train.dataset.input_dir=builtin", "-o", "Data.Eval.dataset.input_dir=builtin",
+                           "-o", f"Engine.save_load.output_dir={tmp_path / 'out'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "'gpt2' has 50257 tokens but the model's vocabulary is 4096; add -o Model.vocab_size=50257" in err
 
 
 def test_tiny_cpu_recipe_trains_as_shipped(tiny_run):

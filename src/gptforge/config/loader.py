@@ -310,9 +310,11 @@ def preset_fills(layer: dict[str, Any], below: dict[str, Any], keep: typing.Cont
 def apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
     """Expand `Model.preset` in a merged raw dict: preset shape values fill keys no layer set.
 
-    A blank vocabulary takes the preset's; with GPT-2's tokenizer (the default) it is at least
-    GPT-2's 50257 tokens: `tiny` and `mini` carry the size of a trained tokenizer
-    (`gptforge tokenizer train`), which only applies with `Data.tokenizer` pointing at one.
+    A blank vocabulary takes the preset's; with `Data.tokenizer: gpt2` (the CPU recipes) it is at
+    least GPT-2's 50257 tokens: `tiny` and `mini` carry the size of a trained tokenizer
+    (`gptforge tokenizer train`). A blank `Data.tokenizer` may still mean a checkpoint's own, so
+    there the preset's size stays and the trainer names `-o Model.vocab_size` if GPT-2's ids
+    do not fit.
     """
     model = raw.get("Model")
     if not isinstance(model, dict) or not model.get("preset"):
@@ -323,7 +325,7 @@ def apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
     filled = {**shape, **{k: v for k, v in model.items() if v is not None}}
     if model.get("vocab_size") is None and "vocab_size" in shape:
         tokenizer = _get(raw, "Data", "tokenizer")
-        if tokenizer is None or str(tokenizer).lower() in ("gpt2", "gpt", "gpt-2"):
+        if tokenizer is not None and str(tokenizer).lower() in ("gpt2", "gpt", "gpt-2"):
             filled["vocab_size"] = max(shape["vocab_size"], GPT2_VOCAB_SIZE)
     return {**raw, "Model": filled}
 

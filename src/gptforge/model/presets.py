@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# GPT-2's BPE vocabulary (the default tokenizer): a preset's vocabulary is never smaller than
-# this unless Data.tokenizer names another tokenizer (config/loader.apply_preset).
+# GPT-2's BPE vocabulary: under `Data.tokenizer: gpt2` a preset's vocabulary is never smaller
+# than this (config/loader.apply_preset).
 GPT2_VOCAB_SIZE = 50257
 
 # Shape keys only; everything else (dropout, init, recompute) comes from the config. A preset
@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  vocab_size=50304, max_position_embeddings=1024),
     # Small CPU presets. `small` is the shape of the CPU training benchmarks (≈30M with GPT-2 vocab);
     # `mini` and `tiny` carry the vocabulary of a trained BPE tokenizer (`gptforge tokenizer train`,
-    # then -o Data.tokenizer=DIR); with GPT-2's tokenizer they take GPT-2's vocabulary instead.
+    # then -o Data.tokenizer=DIR); under Data.tokenizer: gpt2 they take GPT-2's vocabulary instead.
     "small": dict(hidden_size=384, num_layers=6, num_attention_heads=6, ffn_hidden_size=1536,
                   vocab_size=50304, max_position_embeddings=1024),
     "mini": dict(hidden_size=256, num_layers=4, num_attention_heads=4, ffn_hidden_size=1024,
