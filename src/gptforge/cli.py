@@ -47,9 +47,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         prog="gptforge",
         description="gptforge: pretrain, generate, evaluate, compress and export GPT models.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=("Run `gptforge <verb> --help` for a verb's options. Recipes shipped with gptforge: "
-                "`gptforge config list`; use one with -c NAME. Docs: docs/<verb>.md in the gptforge "
-                "source repository."),
+        epilog=("Run `gptforge <verb> --help` for a verb's options.\n"
+                "Recipes shipped with gptforge: `gptforge config list`; use one with -c NAME.\n"
+                "Docs: docs/<verb>.md in the gptforge source repository."),
     )
     parser.add_argument("--version", action="version", version=f"gptforge {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=_Parser)
