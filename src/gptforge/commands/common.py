@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: str | None = None) -> None:
     """`-c FILE`, repeatable `-o Section.key=value`, and (optionally) `--ckpt DIR`."""
-    p.add_argument("-c", "--config", metavar="FILE", help="YAML config (may use _base_ inheritance)")
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML config (may use _base_ inheritance), or the name of "
+                   "a recipe shipped with gptforge (`gptforge config list`)")
     p.add_argument("-o", "--override", metavar="KEY=VALUE", action="append", default=[],
                    help="override a config key, e.g. -o Engine.max_steps=100 (repeatable)")
     if ckpt:
@@ -31,7 +32,8 @@ def config_from_args(args: argparse.Namespace, require: bool = False, world_size
 
     ckpt = getattr(args, "ckpt", None)
     if require and not args.config and not ckpt:
-        raise UsageError("give a config with -c FILE (or a model with --ckpt DIR)")
+        raise UsageError("give a config with -c FILE or -c RECIPE (e.g. -c pretrain_gpt_tiny_cpu; "
+                         "`gptforge config list` shows them), or a model with --ckpt DIR")
     return load_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
 
 
