@@ -600,6 +600,20 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _file_batch_wins(ck_raw: dict[str, Any], file_raw: dict[str, Any]) -> dict[str, Any]:
+    """Batch sizes are one statement: when the -c file gives any of global/local/micro, the
+    checkpoint's are dropped (an eval recipe's local batch must not meet the training run's
+    global batch)."""
+    keys = ("global_batch_size", "local_batch_size", "micro_batch_size")
+    file_glob = file_raw.get("Global")
+    if not (isinstance(file_glob, dict) and any(k in file_glob for k in keys)):
+        return ck_raw
+    ck_glob = ck_raw.get("Global")
+    if not isinstance(ck_glob, dict):
+        return ck_raw
+    return {**ck_raw, "Global": {k: v for k, v in ck_glob.items() if k not in keys}}
+
+
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
@@ -617,7 +631,7 @@ def load_config(
     if ckpt_dir is not None:
         raw = checkpoint_raw(ckpt_dir)
         requires = raw.pop("__requires__", [])
-        raw = _drop_launch_derived(raw)
+        raw = _file_batch_wins(_drop_launch_derived(raw), file_raw)
         ck_model = raw.get("Model") or {}
         if isinstance(file_raw.get("Model"), dict):
             file_model = {k: v for k, v in file_raw["Model"].items()
