@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_layouts import AUTO_BASE, SHAPE
-from test_train_support import small_tokenizer, write_corpus
 
 from gptforge.model_io import load_model
+from test_layouts import AUTO_BASE, SHAPE
+from test_train_support import small_tokenizer, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,8 @@ def w(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts_run")
     write_corpus(root / "data")
     small_tokenizer().save(root / "tok")
-    words = "the quick brown fox jumps over the lazy dog . pack my box with five dozen liquor jugs .".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", ".", "pack", "my", "box", "with",
+             "five", "dozen", "liquor", "jugs", "."]
     (root / "wiki.txt").write_text(" ".join(words * 12) + "\n", encoding="utf-8")
     (root / "lambada.jsonl").write_text("".join(
         json.dumps({"text": " ".join(words[i:i + 9])}) + "\n" for i in range(6)), encoding="utf-8")
