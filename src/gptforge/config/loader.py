@@ -321,8 +321,8 @@ def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
 
 def resolve_layout_keys(cfg: Config) -> None:
     """Keys of older / alternative reference layouts, turned into their canonical meaning in place:
-    recompute layer lists, GLUE split names next to split weights, the fractional warmup, resume
-    switches and the epoch-driven `max_steps: -1` (docs/recipes-reference.md)."""
+    recompute layer lists and names, the auto-parallel degrees, resume switches
+    (docs/recipes-reference.md)."""
     m = cfg.Model
     if m.recompute_granularity == "only_attn":
         m.recompute_granularity = "full_attn"  # the 2022 name: recompute the whole attention sub-layer
@@ -348,6 +348,24 @@ def resolve_layout_keys(cfg: Config) -> None:
             chosen = set(layers)  # blank: every layer
         m.no_recompute_layers = [i for i in layers if i not in chosen]
         m.recompute_layers = m.recompute_start_layer = None
+    d = cfg.Distributed
+    if d.sharding_in_dp:
+        sh = d.sharding.sharding_degree
+        if d.dp_degree is not None and sh > 1:
+            if d.dp_degree % sh:
+                raise ConfigError(f"Distributed.dp_degree: {d.dp_degree} is not divisible by sharding_degree {sh} "
+                                  "(auto-parallel recipes shard inside the data-parallel ranks)")
+            d.dp_degree //= sh
+        d.sharding_in_dp = False  # applied: dp_degree now counts data-parallel replicas only
+    if not cfg.Engine.save_load.load_meta_state:
+        raise ConfigError("Engine.save_load.load_meta_state: False (restore weights and optimizer but restart the "
+                          "step count) is not supported; resume fully, or start from the weights with "
+                          "-o Compress.pretrained=DIR")
+
+
+def resolve_finetune_keys(cfg: Config) -> None:
+    """The fine-tuning recipes' keys (`gptforge finetune`): a GLUE split name where pretraining
+    has split weights, the fractional warmup of LinearDecayWithWarmup, the epoch run mode."""
     for split in ("Train", "Eval", "Test"):
         ds = getattr(cfg.Data, split).dataset
         key = f"Data.{split}.dataset.split"
@@ -364,6 +382,8 @@ def resolve_layout_keys(cfg: Config) -> None:
         elif not isinstance(ds.split, str) or not ds.split.strip():
             raise ConfigError(f"{key}: expected three weights like [949, 50, 1] or a split name like train / dev, "
                               f"got {ds.split!r}")
+        if ds.max_length is not None and ds.max_length <= 0:
+            raise ConfigError(f"Data.{split}.dataset.max_length: must be > 0, got {ds.max_length}")
     lr = cfg.Optimizer.lr
     if lr.warmup is not None:
         if lr.warmup < 0:
@@ -373,22 +393,16 @@ def resolve_layout_keys(cfg: Config) -> None:
             lr.warmup_rate = float(lr.warmup)
         elif lr.warmup_steps is None:
             lr.warmup_steps = int(lr.warmup)
-    d = cfg.Distributed
-    if d.sharding_in_dp:
-        sh = d.sharding.sharding_degree
-        if d.dp_degree is not None and sh > 1:
-            if d.dp_degree % sh:
-                raise ConfigError(f"Distributed.dp_degree: {d.dp_degree} is not divisible by sharding_degree {sh} "
-                                  "(auto-parallel recipes shard inside the data-parallel ranks)")
-            d.dp_degree //= sh
-        d.sharding_in_dp = False  # applied: dp_degree now counts data-parallel replicas only
     e = cfg.Engine
     if e.run_mode not in ("step", "epoch"):
         raise ConfigError(f"Engine.run_mode: must be step or epoch, got {e.run_mode!r}")
-    if not e.save_load.load_meta_state:
-        raise ConfigError("Engine.save_load.load_meta_state: False (restore weights and optimizer but restart the "
-                          "step count) is not supported; resume fully, or start from the weights with "
-                          "-o Compress.pretrained=DIR")
+    # Export/inference recipes write -1 for every count they never use (auto/export_gpt_fp16_single_card).
+    if e.run_mode == "epoch" and e.num_train_epochs < 1:
+        raise ConfigError(f"Engine.num_train_epochs: must be >= 1, got {e.num_train_epochs}")
+    if e.run_mode == "epoch" and e.save_load.save_epoch < 1:
+        raise ConfigError(f"Engine.save_load.save_epoch: must be >= 1, got {e.save_load.save_epoch}")
+    if cfg.Model.num_classes is not None and cfg.Model.num_classes < 1:
+        raise ConfigError(f"Model.num_classes: must be >= 1, got {cfg.Model.num_classes}")
 
 
 def check_train_length(cfg: Config) -> None:
@@ -476,6 +490,7 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     if mp.level not in ("O1", "O2"):
         raise ConfigError(f"Engine.mix_precision.level: must be O1 or O2, got {mp.level!r}")
 
+    resolve_finetune_keys(cfg)
     lr = cfg.Optimizer.lr
     if lr.decay_steps is None or lr.decay_steps <= 0:
         lr.decay_steps = None if e.max_steps < 0 else max(1, e.max_steps)

@@ -161,7 +161,7 @@ class MixPrecisionConfig:
 @dataclass
 class SaveLoadConfig:
     save_steps: int | None = 1000  # blank or -1: only at the end
-    save_epoch: int = 1
+    save_epoch: int = 1  # run_mode epoch: save every N epochs (gptforge finetune)
     output_dir: str = "./output"
     ckpt_dir: str | None = None  # resume from this training checkpoint
     keep_last: int | None = None  # keep only the newest N step checkpoints
@@ -173,10 +173,10 @@ class SaveLoadConfig:
 class EngineConfig:
     run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
     max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
-    num_train_epochs: int = 1
+    num_train_epochs: int = 1  # run_mode epoch: passes over the training set (gptforge finetune)
     accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
     logging_freq: int = 1
-    eval_freq: int = 500  # <= 0: never
+    eval_freq: int = 500  # <= 0: never; in epochs under run_mode epoch
     eval_iters: int = 10
     test_iters: int | None = None  # derived: 10 * eval_iters
     mix_precision: MixPrecisionConfig = field(default_factory=MixPrecisionConfig)
