@@ -361,3 +361,13 @@ def test_auto_degrees_map_once(tmp_path):
     eager = {**AUTO_EXAMPLES_2022_08, "Engine": {"max_steps": 10}}
     with pytest.raises(ConfigError, match="data-parallel world 256"):
         load_config(write_case(tmp_path, {"main.yaml": eager}), world_size=16)
+
+
+def test_cli_config_show_old_layout_and_refusal(tmp_path, run_cli):
+    code, out, err = run_cli("config", "show", "-c", write_case(tmp_path, {"main.yaml": PRETRAINING}))
+    assert code == 0, err
+    shown = yaml.safe_load(out)
+    assert shown["Model"]["recompute_granularity"] == "full_attn" and shown["Optimizer"]["beta2"] == 0.95
+    moe = {"Model": {**SHAPE, "num_experts": 2}}
+    code, _, err = run_cli("config", "show", "-c", write_case(tmp_path, {"main.yaml": moe}))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "MoE) is not supported yet" in err

@@ -246,13 +246,20 @@ def qat_models(w, base_model):
     return outs
 
 
-def test_qat_layouts(qat_models):
+def test_qat_layouts(qat_models, base_model):
+    import torch
+
+    base, _ = load_model(base_model)
     for name, step in qat_models.items():
         model, cfg = load_model(step)
         q = cfg.Compress.Quantization
         assert q.enable and q.weight_quantize_type == "abs_max", name
         assert q.quantizable_layer_type == ["Linear", "ColumnParallelLinear", "RowParallelLinear"]
         assert q.activation_preprocess_type == ("PACT" if name == "qat_compress_2023" else None)
+        assert sum("Quant" in type(m).__name__ for m in model.modules()) >= 7, name  # 8 Linears, 1 skipped
+        # freeze_embedding (the Compress recipe) keeps the tied embedding; the 2022 recipe trains it
+        frozen = torch.equal(model.wte.weight, base.wte.weight)
+        assert frozen == (name == "qat_compress_2023"), name
 
 
 def test_auto_qat_generation(w, qat_models, run_cli):
