@@ -263,7 +263,8 @@ def test_qat_layouts(qat_models, base_model):
 
 
 def test_auto_qat_generation(w, qat_models, run_cli):
-    """ppfleetx auto/qat_generation_gpt_345M: top-level Quantization, generation module, on the QAT model."""
+    """ppfleetx auto/qat_generation_gpt_345M_mp2: top-level Quantization, generation module, on the QAT
+    model, as written (mp 2 is a training layout; generation runs in one process)."""
     doc = {**AUTO_BASE, "Model": {**AUTO_BASE["Model"], **BIG, "module": "GPTGenerationModuleAuto"},
            "Generation": {"top_k": 50, "top_p": 0.75, "max_dec_len": 200, "decode_strategy": "sampling"},
            "Distributed": {"dp_degree": 1, "mp_degree": 2},
@@ -271,8 +272,7 @@ def test_auto_qat_generation(w, qat_models, run_cli):
                             "onnx_format": True}}
     recipe = write(w["root"], "auto_qat_generation.yaml", doc)
     code, out, err = run_cli("generate", "-c", recipe, "--ckpt", qat_models["qat_compress_2023"],
-                             "--prompt", "the lazy", "-o", "Global.device=cpu", "-o", "Distributed.mp_degree=1",
-                             "-o", "Generation.max_dec_len=4")
+                             "--prompt", "the lazy", "-o", "Global.device=cpu", "-o", "Generation.max_dec_len=4")
     assert code == 0, err
     assert out.startswith("the lazy")
 
