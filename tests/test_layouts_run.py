@@ -382,6 +382,23 @@ DISTRIBUTED = {
 }
 
 
+DEGREES = {"dp": (2, 1, 1), "sharding": (1, 2, 1), "mp": (1, 1, 2), "auto_sharding": (1, 2, 1),
+           "auto_dp_sharding": (1, 2, 1)}  # (dp, sharding, mp) at 2 ranks
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTED))
+def test_distributed_recipes_resolve(tmp_path, name):
+    """Fast: each multi-process recipe with its size overrides fits 2 ranks as (dp, sharding, mp)."""
+    from gptforge.config import load_config
+    from gptforge.config.loader import check_distributed
+
+    doc, size = DISTRIBUTED[name]
+    cfg = load_config(write(tmp_path, f"{name}.yaml", doc), [*size, *TINY_MODEL, *CPU], world_size=2)
+    check_distributed(cfg, world_size=2)
+    d = cfg.Distributed
+    assert (d.dp_degree, d.sharding.sharding_degree, d.mp_degree) == DEGREES[name]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_distributed_recipes(w, tmp_path):
