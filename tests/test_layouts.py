@@ -304,6 +304,8 @@ OVERRIDES = [  # -o accepts every layout's spelling
     ("Global.max_steps=9", "Engine.max_steps", 9),
     ("Offline_Eval.ckpt_dir=some/dir", "Engine.save_load.ckpt_dir", "some/dir"),
     ("Model.recompute_granularity=only_attn", "Model.recompute_granularity", "full_attn"),
+    ("Fused.fused_linear=True", "Model.fused_linear", True),
+    ("Engine.use_recompute=True", "Model.use_recompute", True),
 ]
 
 

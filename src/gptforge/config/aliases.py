@@ -128,6 +128,8 @@ def normalize_path(path: str) -> list[str]:
         parts = ["Optimizer", _OPT_RENAMES[parts[1]]]
     if parts == ["Fused", "tensor_fusion"]:
         parts = ["Optimizer", "tensor_fusion"]
+    if parts == ["Fused", "fused_linear"]:
+        parts = ["Model", "fused_linear"]
     moved = _KEY_MOVES.get(tuple(parts))
     return list(moved) if moved else parts
 
