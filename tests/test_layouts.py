@@ -348,6 +348,8 @@ def test_refusals_are_one_line(tmp_path, doc, message):
 @pytest.mark.parametrize("overrides,message", [
     (("Engine.max_steps=-1",), "Engine.max_steps: -1 needs Engine.run_mode=epoch"),
     (("Data.Train.dataset.split=train",), "Data.Train.dataset.split: 'train' names a fine-tuning split"),
+    (("Data.Train.sampler.batch_size=8", "Global.local_batch_size=1"),
+     "Data.Train.sampler.batch_size: 8 disagrees with Global.local_batch_size 1"),
 ])
 def test_training_needs_a_step_count_and_weights(overrides, message):
     cfg = load_config(overrides=["Model.preset=tiny", *overrides])  # loads (config show, export, ...)

@@ -417,6 +417,12 @@ def check_train_length(cfg: Config) -> None:
         if isinstance(ds.split, str):
             raise ConfigError(f"Data.{split}.dataset.split: {ds.split!r} names a fine-tuning split; pretraining "
                               "splits one corpus by weights like [949, 50, 1]")
+    sampler, g = cfg.Data.Train.sampler, cfg.Global
+    if cfg.Data.Train.dataset.name == "GPTDataset" and sampler.batch_size not in (None, g.local_batch_size):
+        # 2022-09 gpt_base.yaml took the per-rank batch from the sampler; every later layout from Global.
+        raise ConfigError(f"Data.Train.sampler.batch_size: {sampler.batch_size} disagrees with "
+                          f"Global.local_batch_size {g.local_batch_size}; pretraining takes the batch from "
+                          f"Global: set -o Global.local_batch_size={sampler.batch_size} (or drop the sampler's)")
 
 
 def resolve(cfg: Config, world_size: int | None = None) -> Config:
