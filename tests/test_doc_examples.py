@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from doc_examples import COMMAND_LINE, Example, examples, pages
 
 PAGES = {str(p.relative_to(p.parents[1] if p.parent.name == "docs" else p.parent)): p for p in pages()}

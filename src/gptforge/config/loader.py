@@ -381,8 +381,115 @@ def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
             raise ConfigError(f"Model.{key}: must be in [0, 1), got {p}")
 
 
+def resolve_layout_keys(cfg: Config) -> None:
+    """Keys of older / alternative reference layouts, turned into their canonical meaning in place:
+    recompute layer lists and names, the auto-parallel degrees, resume switches
+    (docs/recipes-reference.md)."""
+    m = cfg.Model
+    if m.recompute_granularity == "only_attn":
+        m.recompute_granularity = "full_attn"  # the 2022 name: recompute the whole attention sub-layer
+    if m.recompute_layers is not None or m.recompute_start_layer is not None:
+        # Old layouts listed the layers TO recompute; the reference later inverted this into
+        # no_recompute_layers, which is what the model code reads.
+        if m.no_recompute_layers:
+            raise ConfigError("Model.recompute_layers / recompute_start_layer: set either these or "
+                              "Model.no_recompute_layers, not both")
+        if m.recompute_layers is not None and m.recompute_start_layer is not None:
+            raise ConfigError("Model.recompute_layers: set either recompute_layers or recompute_start_layer, not both")
+        layers = list(range(m.num_layers))
+        if m.recompute_layers:
+            bad = [i for i in m.recompute_layers if not 0 <= i < m.num_layers]
+            if bad:
+                raise ConfigError(f"Model.recompute_layers: {bad} outside [0, {m.num_layers})")
+            chosen = set(m.recompute_layers)
+        elif m.recompute_start_layer is not None:
+            if not 0 <= m.recompute_start_layer <= m.num_layers:
+                raise ConfigError(f"Model.recompute_start_layer: must be in [0, {m.num_layers}], got {m.recompute_start_layer}")
+            chosen = set(range(m.recompute_start_layer, m.num_layers))
+        else:
+            chosen = set(layers)  # blank: every layer
+        m.no_recompute_layers = [i for i in layers if i not in chosen]
+        m.recompute_layers = m.recompute_start_layer = None
+    d = cfg.Distributed
+    if d.sharding_in_dp:
+        sh = d.sharding.sharding_degree
+        if d.dp_degree is not None and sh > 1:
+            if d.dp_degree % sh:
+                raise ConfigError(f"Distributed.dp_degree: {d.dp_degree} is not divisible by sharding_degree {sh} "
+                                  "(auto-parallel recipes shard inside the data-parallel ranks)")
+            d.dp_degree //= sh
+        d.sharding_in_dp = False  # applied: dp_degree now counts data-parallel replicas only
+    if not cfg.Engine.save_load.load_meta_state:
+        raise ConfigError("Engine.save_load.load_meta_state: False (restore weights and optimizer but restart the "
+                          "step count) is not supported; resume fully, or start from the weights with "
+                          "-o Compress.pretrained=DIR")
+
+
+def resolve_finetune_keys(cfg: Config) -> None:
+    """The fine-tuning recipes' keys (`gptforge finetune`): a GLUE split name where pretraining
+    has split weights, the fractional warmup of LinearDecayWithWarmup, the epoch run mode."""
+    for split in ("Train", "Eval", "Test"):
+        ds = getattr(cfg.Data, split).dataset
+        key = f"Data.{split}.dataset.split"
+        if isinstance(ds.split, (int, float)) and not isinstance(ds.split, bool):
+            ds.split = [ds.split]
+        if isinstance(ds.split, str) and ("," in ds.split or ds.split.strip().isdigit()):
+            ds.split = [part.strip() for part in ds.split.split(",") if part.strip()]
+        if isinstance(ds.split, list):
+            try:
+                ds.split = [int(float(w)) for w in ds.split]
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}: expected three weights like [949, 50, 1] or a split name "
+                                  f"like train / dev, got {ds.split!r}") from None
+        elif not isinstance(ds.split, str) or not ds.split.strip():
+            raise ConfigError(f"{key}: expected three weights like [949, 50, 1] or a split name like train / dev, "
+                              f"got {ds.split!r}")
+        if ds.max_length is not None and ds.max_length <= 0:
+            raise ConfigError(f"Data.{split}.dataset.max_length: must be > 0, got {ds.max_length}")
+    lr = cfg.Optimizer.lr
+    if lr.warmup is not None:
+        if lr.warmup < 0:
+            raise ConfigError(f"Optimizer.lr.warmup: must be >= 0, got {lr.warmup}")
+        # LinearDecayWithWarmup: a float below 1 is a fraction of the total steps, else a step count.
+        if lr.warmup < 1:
+            lr.warmup_rate = float(lr.warmup)
+        elif lr.warmup_steps is None:
+            lr.warmup_steps = int(lr.warmup)
+    e = cfg.Engine
+    if e.run_mode not in ("step", "epoch"):
+        raise ConfigError(f"Engine.run_mode: must be step or epoch, got {e.run_mode!r}")
+    # Export/inference recipes write -1 for every count they never use (auto/export_gpt_fp16_single_card).
+    if e.run_mode == "epoch" and e.num_train_epochs < 1:
+        raise ConfigError(f"Engine.num_train_epochs: must be >= 1, got {e.num_train_epochs}")
+    if e.run_mode == "epoch" and e.save_load.save_epoch < 1:
+        raise ConfigError(f"Engine.save_load.save_epoch: must be >= 1, got {e.save_load.save_epoch}")
+    if cfg.Model.num_classes is not None and cfg.Model.num_classes < 1:
+        raise ConfigError(f"Model.num_classes: must be >= 1, got {cfg.Model.num_classes}")
+
+
+def check_train_length(cfg: Config) -> None:
+    """A step-driven training run needs a step count (`max_steps: -1` only means something with
+    `run_mode: epoch`, or in recipes that never train)."""
+    e = cfg.Engine
+    if e.run_mode == "step" and e.max_steps < 0:
+        raise ConfigError(f"Engine.max_steps: {e.max_steps} needs Engine.run_mode=epoch (length from "
+                          "num_train_epochs); give a step count, e.g. -o Engine.max_steps=1000")
+    for split in ("Train", "Eval"):
+        ds = getattr(cfg.Data, split).dataset
+        if isinstance(ds.split, str):
+            raise ConfigError(f"Data.{split}.dataset.split: {ds.split!r} names a fine-tuning split; pretraining "
+                              "splits one corpus by weights like [949, 50, 1]")
+    sampler, g = cfg.Data.Train.sampler, cfg.Global
+    if cfg.Data.Train.dataset.name == "GPTDataset" and sampler.batch_size not in (None, g.local_batch_size):
+        # 2022-09 gpt_base.yaml took the per-rank batch from the sampler; every later layout from Global.
+        raise ConfigError(f"Data.Train.sampler.batch_size: {sampler.batch_size} disagrees with "
+                          f"Global.local_batch_size {g.local_batch_size}; pretraining takes the batch from "
+                          f"Global: set -o Global.local_batch_size={sampler.batch_size} (or drop the sampler's)")
+
+
 def resolve(cfg: Config, world_size: int | None = None) -> Config:
     """Derive what the reference derives; raise ConfigError on inconsistent values."""
+    resolve_layout_keys(cfg)
     d = cfg.Distributed
     for key in ("mp_degree", "pp_degree"):
         if getattr(d, key) < 1:
@@ -434,8 +541,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     e.accumulate_steps = g.local_batch_size // g.micro_batch_size
     if e.test_iters is None:
         e.test_iters = 10 * e.eval_iters
-    if e.max_steps < 0:
-        raise ConfigError(f"Engine.max_steps: must be >= 0, got {e.max_steps}")
+    if e.max_steps < -1:
+        raise ConfigError(f"Engine.max_steps: must be >= 0 (or -1: derived from epochs / unused), got {e.max_steps}")
     if e.logging_freq < 1:
         raise ConfigError(f"Engine.logging_freq: must be >= 1, got {e.logging_freq}")
     if e.save_load.save_steps is not None and e.save_load.save_steps <= 0:
@@ -451,9 +558,10 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     if mp.level not in ("O1", "O2"):
         raise ConfigError(f"Engine.mix_precision.level: must be O1 or O2, got {mp.level!r}")
 
+    resolve_finetune_keys(cfg)
     lr = cfg.Optimizer.lr
     if lr.decay_steps is None or lr.decay_steps <= 0:
-        lr.decay_steps = max(1, e.max_steps)
+        lr.decay_steps = None if e.max_steps < 0 else max(1, e.max_steps)
     if lr.max_lr < 0 or lr.min_lr < 0:
         raise ConfigError("Optimizer.lr.max_lr / min_lr: must be >= 0")
     if not 0.0 <= lr.warmup_rate <= 1.0:
@@ -470,7 +578,7 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
 
     for split in ("Train", "Eval", "Test"):
         ds = getattr(cfg.Data, split).dataset
-        if len(ds.split) != 3 or any(w < 0 for w in ds.split) or sum(ds.split) <= 0:
+        if isinstance(ds.split, list) and (len(ds.split) != 3 or any(w < 0 for w in ds.split) or sum(ds.split) <= 0):
             raise ConfigError(
                 f"Data.{split}.dataset.split: expected three non-negative weights like [949, 50, 1], got {ds.split}"
             )
@@ -543,6 +651,7 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
 
 def check_train_shapes(cfg: Config) -> None:
     """Checks only a training run needs (other verbs never read Data)."""
+    check_train_length(cfg)
     m = cfg.Model
     for split in ("Train", "Eval"):
         seq = getattr(cfg.Data, split).dataset.max_seq_len
@@ -574,6 +683,20 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _file_batch_wins(ck_raw: dict[str, Any], file_raw: dict[str, Any]) -> dict[str, Any]:
+    """Batch sizes are one statement: when the -c file gives any of global/local/micro, the
+    checkpoint's are dropped (an eval recipe's local batch must not meet the training run's
+    global batch)."""
+    keys = ("global_batch_size", "local_batch_size", "micro_batch_size")
+    file_glob = file_raw.get("Global")
+    if not (isinstance(file_glob, dict) and any(k in file_glob for k in keys)):
+        return ck_raw
+    ck_glob = ck_raw.get("Global")
+    if not isinstance(ck_glob, dict):
+        return ck_raw
+    return {**ck_raw, "Global": {k: v for k, v in ck_glob.items() if k not in keys}}
+
+
 def merge_layers(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
@@ -591,7 +714,7 @@ def merge_layers(
     if ckpt_dir is not None:
         raw = checkpoint_raw(ckpt_dir)
         requires = raw.pop("__requires__", [])
-        raw = _drop_launch_derived(raw)
+        raw = _file_batch_wins(_drop_launch_derived(raw), file_raw)
         ck_model = raw.get("Model") or {}
         keep = tuple(k for k in ARCH_KEYS if k in ck_model)
         if isinstance(file_raw.get("Model"), dict):

@@ -53,14 +53,28 @@ class ModelConfig:
     use_flash_attn: bool = False  # accepted; scaled_dot_product_attention picks flash kernels on GPU anyway
     fused_softmax_with_triangular: bool = True  # accepted, no effect
     virtual_pp_degree: int = 1
+    recompute_layers: list[int] | None = None  # old layout: layers to recompute (blank = all); becomes no_recompute_layers
+    recompute_start_layer: int | None = None  # old layout: recompute layers >= this index; becomes no_recompute_layers
+    # fine-tuning (gptforge finetune)
+    num_classes: int | None = None  # sequence-classification labels (GPTFinetuneModule)
+    pretrained: str | None = None  # fine-tuning: the weights to start from (a model directory or a .pdparams prefix)
+    loss: dict[str, Any] | None = None  # fine-tuning: {train: {name: CrossEntropyLoss}, eval: {...}}
+    metric: dict[str, Any] | None = None  # fine-tuning: {eval: {name: Accuracy}}
 
 
 @dataclass
 class DatasetConfig:
     name: str = "GPTDataset"
     input_dir: str = "./data/"  # a directory with <prefix>_ids.npy + <prefix>_idx.npz, a prefix, or "builtin"
-    split: list[int] = field(default_factory=lambda: [949, 50, 1])  # also '949,50,1'
+    split: Any = field(default_factory=lambda: [949, 50, 1])  # three weights [949, 50, 1] (also '949,50,1'); a GLUE split name (train, dev, ...) for fine-tuning
     max_seq_len: int = 1024
+    num_samples: int | None = None  # accepted, no effect (old layout): derived from max_steps x global batch
+    eos_id: int | None = None  # accepted, no effect (old layout): EOS comes from the tokenizer; the loss mask is all ones
+    mode: str | None = None  # accepted, no effect (old layout): Train/Eval/Test comes from the section
+    overlapping_eval: int | None = None  # accepted, no effect (offline-eval examples layout: its run.py overwrites it with Offline_Eval.overlapping_eval)
+    # fine-tuning (gptforge finetune)
+    root: str | None = None  # GLUE: the task's directory of TSV files
+    max_length: int | None = None  # GLUE: tokens per example (truncate / pad)
 
 
 @dataclass
@@ -68,6 +82,10 @@ class SamplerConfig:
     name: str = "GPTBatchSampler"
     shuffle: bool = False  # accepted; order comes from the dataset's shuffle_idx
     drop_last: bool = True
+    num_replicas: int | None = None  # accepted, no effect (old layout): derived from the launch
+    rank: int | None = None  # accepted, no effect (old layout): derived from the launch
+    # fine-tuning (gptforge finetune)
+    batch_size: int | None = None  # DistributedBatchSampler: samples per rank per step
 
 
 @dataclass
@@ -82,6 +100,8 @@ class DataSplitConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    collate_fn: str | None = None  # accepted, no effect (auto-parallel layout)
+    sample_split: int | None = None  # accepted, no effect (auto-parallel layout: how many sample fields are inputs)
 
 
 @dataclass
@@ -101,12 +121,15 @@ class LRConfig:
     max_lr: float = 5.0e-5
     min_lr: float = 1.0e-5
     use_increments: bool = True  # schedule measured in samples; False keeps lr at max_lr (the reference would keep 0)
+    # fine-tuning (gptforge finetune)
+    warmup: float | None = None  # LinearDecayWithWarmup: < 1 a fraction of the total steps (sets warmup_rate), else steps (sets warmup_steps)
 
 
 @dataclass
 class GradClipConfig:
     name: str = "ClipGradByGlobalNorm"
     clip_norm: float = 1.0  # 0 disables clipping
+    multi_precision: bool = False  # accepted, no effect: the norm is always accumulated in fp32
 
 
 @dataclass
@@ -119,6 +142,7 @@ class OptimizerConfig:
     lr: LRConfig = field(default_factory=LRConfig)
     grad_clip: GradClipConfig = field(default_factory=GradClipConfig)
     tensor_fusion: bool = False  # accepted; the fused/foreach AdamW kernels are used when available
+    multi_precision: bool = False  # accepted, no effect: fp32 master weights are always kept
 
 
 @dataclass
@@ -130,31 +154,37 @@ class MixPrecisionConfig:
     custom_black_list: list[str] = field(default_factory=list)  # accepted; loss and softmax always run in fp32
     custom_white_list: list[str] = field(default_factory=list)  # accepted, no effect
     use_main_grad: bool = False  # accepted; fp32 master weights are always kept
+    use_fp16_guard: bool = False  # accepted, no effect (auto-parallel static graphs; autocast has no guard scopes)
+    use_bf16_guard: bool = False  # accepted, no effect (as use_fp16_guard)
 
 
 @dataclass
 class SaveLoadConfig:
     save_steps: int | None = 1000  # blank or -1: only at the end
-    save_epoch: int = 1
+    save_epoch: int = 1  # run_mode epoch: save every N epochs (gptforge finetune)
     output_dir: str = "./output"
     ckpt_dir: str | None = None  # resume from this training checkpoint
     keep_last: int | None = None  # keep only the newest N step checkpoints
+    load_meta_state: bool = True  # resume restores step, epoch and RNG state (False is not supported)
+    load_rng_state: bool = True  # accepted: every RNG is always restored on resume (across world sizes too)
 
 
 @dataclass
 class EngineConfig:
-    run_mode: str = "step"
-    max_steps: int = 500000
-    num_train_epochs: int = 1
+    run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
+    max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
+    num_train_epochs: int = 1  # run_mode epoch: passes over the training set (gptforge finetune)
     accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
     logging_freq: int = 1
-    eval_freq: int = 500  # <= 0: never
+    eval_freq: int = 500  # <= 0: never; in epochs under run_mode epoch
     eval_iters: int = 10
     test_iters: int | None = None  # derived: 10 * eval_iters
     mix_precision: MixPrecisionConfig = field(default_factory=MixPrecisionConfig)
     save_load: SaveLoadConfig = field(default_factory=SaveLoadConfig)
     compile: bool = False  # torch.compile the model (GPU; no gain on a small CPU)
     on_nonfinite: str = "stop"  # stop | skip: what a non-finite fp32/bf16 loss does
+    verbose: int | None = None  # accepted, no effect (auto-parallel engine's log verbosity)
+    auto_mode: str | None = None  # accepted, no effect (auto-parallel engine: semi)
 
 
 @dataclass
@@ -176,6 +206,7 @@ class DistributedConfig:
     pp_recompute_interval: int = 1
     fuse_sequence_parallel_allreduce: bool = False
     backend: str | None = None  # nccl | gloo (derived from the device)
+    sharding_in_dp: bool = False  # auto-parallel recipes (set for them): dp_degree counts the sharding ranks too (world = dp x mp x pp); applied, then reset
 
 
 @dataclass
@@ -241,6 +272,9 @@ class QuantizationConfig:
     calib_batches: int = 8  # PTQ: batches used to calibrate activation scales
     calib_algo: str = "avg"  # PTQ observer: avg (mean of per-batch abs max) | abs_max (max over batches) | moving_average (the QAT update)
     converted: bool = False  # set by `gptforge quantize --convert`: weights are stored as int8 + scales (a real INT8 model)
+    not_quant_pattern: list[str] = field(default_factory=lambda: ["skip_quant"])  # accepted: the LM head (the reference's skip_quant scope) is never quantized
+    for_tensorrt: bool = False  # accepted, no effect
+    is_full_quantize: bool = False  # accepted, no effect (only the block Linears are quantizable)
 
 
 @dataclass
@@ -291,6 +325,22 @@ class ProfilerConfig:
 
 
 @dataclass
+class TuningConfig:  # auto-parallel recompute tuner: accepted, no effect (recompute is what Model.* says)
+    enable: bool = False
+    tuning_recompute: bool = False
+    profile_start_step: int = 1
+    profile_end_step: int = 1
+    run_after_tuning: bool = True
+    debug: bool = True
+
+
+@dataclass
+class FusedPassesConfig:  # auto-parallel static-graph fusion passes: accepted, no effect
+    enable: bool = False
+    fused_passes_list: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """The whole resolved configuration. Attribute names are the YAML section names."""
 
@@ -305,6 +355,8 @@ class Config:
     Compress: CompressConfig = field(default_factory=CompressConfig)
     Inference: InferenceConfig = field(default_factory=InferenceConfig)
     Profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    Tuning: TuningConfig = field(default_factory=TuningConfig)
+    FusedPasses: FusedPassesConfig = field(default_factory=FusedPassesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
