@@ -86,7 +86,7 @@ def _describe(info: dict) -> str:
             f"since {info.get('started', '?')})")
 
 
-def _acquire(lock_file: Path, what: Path, verb: str) -> RunLock:
+def _acquire(lock_file: Path, what: Path, verb: str, wait: bool = False) -> RunLock:
     key = str(lock_file)
     if key in _held:
         _held[key][1] += 1
@@ -94,7 +94,7 @@ def _acquire(lock_file: Path, what: Path, verb: str) -> RunLock:
     for _ in range(20):  # retries only when a releasing holder unlinked the file under us
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             raise UsageError(f"{what}: in use by {_describe(read_holder(lock_file))}; wait for it to finish "
@@ -127,11 +127,12 @@ def lock_dir(directory: str | os.PathLike, verb: str) -> RunLock:
     return _acquire(d / LOCK_NAME, d, verb)
 
 
-def lock_prefix(prefix: str | os.PathLike, verb: str) -> RunLock:
-    """Lock the files `<prefix>_*` (the lock file `.<name>.lock` lives next to them)."""
+def lock_prefix(prefix: str | os.PathLike, verb: str, wait: bool = False) -> RunLock:
+    """Lock the files `<prefix>_*` (the lock file `.<name>.lock` lives next to them); `wait`
+    blocks until the holder is done instead of failing (for caches that several runs share)."""
     p = Path(prefix)
     p.parent.mkdir(parents=True, exist_ok=True)
-    return _acquire(p.parent / f".{p.name}.lock", p, verb)
+    return _acquire(p.parent / f".{p.name}.lock", p, verb, wait)
 
 
 # ------------------------------------------------------------------------------ liveness
