@@ -451,6 +451,10 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         for stale in _stale_index_maps(prefix):  # maps of an older corpus with this prefix
             with contextlib.suppress(OSError):
                 stale.unlink()
+        # An older corpus under this prefix stops looking complete first: a kill between the renames
+        # below must not leave new ids next to the old index.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(str(prefix) + IDX_SUFFIX)
         for tmp, suffix in ((ids_tmp, IDS_SUFFIX), (meta_tmp, META_SUFFIX), (idx_tmp, IDX_SUFFIX)):
             os.chmod(tmp, 0o644)
             os.replace(tmp, str(prefix) + suffix)
