@@ -167,8 +167,7 @@ def test_resume_refuses_a_shape_override_naming_the_key(tmp_path, run_cli):
         code, _, err = run_cli("pretrain", *argv, "-o", "Model.hidden_size=32", "-o", "Engine.max_steps=4",
                                "--no-progress")
         assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert err.startswith("gptforge: error: Model.hidden_size: 32 differs from the resumed checkpoint") or \
-            "Model.hidden_size: 32 differs from the resumed checkpoint" in err
+        assert err.startswith("gptforge pretrain: error: Model.hidden_size: 32 differs from the resumed checkpoint")
     code, _, err = run_cli("pretrain", "-c", cfg_file, "--resume", "auto", "-o", "Model.hidden_size=64",
                            "-o", "Engine.max_steps=3", "--no-progress")
     assert code == 0, err  # the same value is no change

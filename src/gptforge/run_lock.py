@@ -135,6 +135,12 @@ def lock_prefix(prefix: str | os.PathLike, verb: str, wait: bool = False) -> Run
     return _acquire(p.parent / f".{p.name}.lock", p, verb, wait)
 
 
+def lock_output(path: str | os.PathLike, verb: str) -> RunLock:
+    """Lock an output directory that is published whole by an atomic rename (export, quantize,
+    convert, ptq): the lock file must live beside it, since the directory itself is replaced."""
+    return lock_prefix(path, verb)
+
+
 # ------------------------------------------------------------------------------ liveness
 
 
@@ -197,4 +203,4 @@ def path_writer_alive(pid: int | None, path: str | os.PathLike) -> bool:
     return writer_alive(pid, since)
 
 
-__all__ = ["LOCK_NAME", "RunLock", "lock_dir", "lock_prefix", "path_writer_alive", "read_holder", "writer_alive"]
+__all__ = ["LOCK_NAME", "RunLock", "lock_dir", "lock_output", "lock_prefix", "path_writer_alive", "read_holder", "writer_alive"]
