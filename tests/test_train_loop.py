@@ -272,9 +272,15 @@ def test_profiler_window_and_run_mode(tmp_path):
 
 
 def test_resume_takes_shape_and_structure_from_the_checkpoint(tmp_path):
+    from gptforge.errors import ConfigError
+
     _train(train_config(tmp_path, "Engine.eval_freq=-1", steps=2))
+    # a config asking for another shape is refused (issue #16: it used to be ignored silently)
     cfg = train_config(tmp_path, "Engine.eval_freq=-1", "Model.hidden_size=32", "Model.ffn_hidden_size=128",
                        f"Engine.save_load.ckpt_dir={tmp_path / 'out'}", steps=3)
+    with pytest.raises(ConfigError, match=r"^Model.hidden_size: 32 differs from the resumed checkpoint .*step_2 \(64\)"):
+        Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    cfg = train_config(tmp_path, "Engine.eval_freq=-1", f"Engine.save_load.ckpt_dir={tmp_path / 'out'}", steps=3)
     t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
     assert t.step == 2 and t.model.wte.weight.shape[1] == 64 and cfg.Model.hidden_size == 64
     r = t.train()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gptforge.durable import publish_dir, recover_aside
 from gptforge.errors import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -322,7 +323,9 @@ class _AtomicDir:
         if self.out.exists() and not self.overwrite:
             raise CheckpointError(f"{self.out}: already exists (pass --force to overwrite)")
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        recover_aside(self.out.parent, self.out.name)  # a replacement a killed writer left half done
+        # The writer's pid in the name: a later run removes the temp only once this process is gone.
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-{os.getpid()}-", dir=self.out.parent))
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -330,13 +333,7 @@ class _AtomicDir:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
         _umask_modes(self.tmp)
-        old = None
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(self.tmp, self.out)  # fsync, then rename; `out` always names one complete copy
 
 
 def _umask_modes(d: Path) -> None:

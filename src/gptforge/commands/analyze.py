@@ -65,10 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_path:
         overrides.append(f"Offline_Eval.eval_path={args.eval_path}")
     cfg = load_config(args.config, overrides, ckpt_dir=args.qat_ckpt or args.float_ckpt)
-    res = run_analysis(cfg, qat_ckpt=args.qat_ckpt, float_ckpt=args.float_ckpt, mode=args.mode, metric=args.metric,
-                       out_dir=args.out, batches=args.batches, layers=args.layers, top_k=args.top_k,
-                       resume=not args.no_resume, plot=not args.no_plot, progress=not args.no_progress,
-                       config_file=args.config)
+    from gptforge.run_lock import lock_dir
+
+    with lock_dir(args.out, "analyze"):  # one analysis per output directory at a time
+        res = run_analysis(cfg, qat_ckpt=args.qat_ckpt, float_ckpt=args.float_ckpt, mode=args.mode,
+                           metric=args.metric, out_dir=args.out, batches=args.batches, layers=args.layers,
+                           top_k=args.top_k, resume=not args.no_resume, plot=not args.no_plot,
+                           progress=not args.no_progress, config_file=args.config)
     a = res.analysis
     base = "QAT model" if a.mode == "qat" else "float model"
     head = f"gptforge analyze: {a.mode} mode, {a.metric_label}: {base} {a.base_value:.6g}"

@@ -83,15 +83,18 @@ def run(args: argparse.Namespace) -> int:
 
         parse_size(args.max_shard_size)
     resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
-    ensure_out_dir(args.out, args.force)
-    if args.format == "onnx":
-        check_export_extra()
-    cfg = config_from_args(args)
-    model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
-    # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
-    if args.format == "hf":
-        return _hf(model, cfg, tok, args)
-    return _program(model, cfg, tok, args)
+    from gptforge.run_lock import lock_output
+
+    with lock_output(args.out, "export"):  # a second writer of --out fails at once, naming this one
+        ensure_out_dir(args.out, args.force)
+        if args.format == "onnx":
+            check_export_extra()
+        cfg = config_from_args(args)
+        model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
+        # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
+        if args.format == "hf":
+            return _hf(model, cfg, tok, args)
+        return _program(model, cfg, tok, args)
 
 
 def _hf(model, cfg, tok, args) -> int:

@@ -3,6 +3,11 @@
     gptforge pretrain -c pretrain_gpt_tiny_cpu -o Engine.max_steps=200
     gptforge pretrain -c pretrain_gpt_tiny_cpu --resume auto     # newest checkpoint in output_dir
     gptforge pretrain --ckpt output/step_100 -o Engine.max_steps=200          # continue that run
+    gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml --force           # start over in output_dir
+
+An output directory belongs to one run: a second process writing into it fails at once (naming
+the holder's pid), and a new run into a directory that holds another run's checkpoints is
+refused unless `--force` (which deletes them) — continue that run with `--resume auto` instead.
 
 `--ckpt DIR` takes the config and tokenizer from DIR: a training checkpoint (step_N or a run
 directory) resumes exactly; a plain model directory (ours, HF GPT-2, .pdparams) starts a new
@@ -32,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help=(
         "resume a run: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh "
         "when there is none); DIR = that checkpoint (same as -o Engine.save_load.ckpt_dir=DIR)"))
+    p.add_argument("--force", action="store_true", help=(
+        "start a new run in an output directory that holds another run's checkpoints, deleting them (and its "
+        "metrics.jsonl, train.log, tensorboard events); without it such a directory is refused"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
@@ -60,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
             tok_dir = resolve_checkpoint_path(p)
             cfg.Compress.pretrained = str(tok_dir)
         tokenizer = load_tokenizer(cfg.Data.tokenizer, tok_dir if tok_dir.is_dir() else None)
-    result = pretrain(cfg, tokenizer=tokenizer, resume=resume, progress=False if args.no_progress else None)
+    if args.force and (resume is not None or cfg.Engine.save_load.ckpt_dir):
+        raise UsageError("--force starts a new run; it cannot be combined with resuming (--resume, a training "
+                         "checkpoint as --ckpt, Engine.save_load.ckpt_dir)")
+    result = pretrain(cfg, tokenizer=tokenizer, resume=resume, progress=False if args.no_progress else None,
+                      overwrite=args.force)
     last = result.checkpoint_dir
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run

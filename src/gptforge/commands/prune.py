@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if path:
             ensure_out_dir(path, args.force)
     result = prune_and_finetune(cfg, resume=args.resume, save_pruned=args.save_pruned,
-                                progress=False if args.no_progress else None)
+                                progress=False if args.no_progress else None, overrides=args.override)
     parts = []
     if result.report is not None:
         r = result.report

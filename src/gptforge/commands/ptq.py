@@ -36,7 +36,10 @@ def run(args: argparse.Namespace) -> int:
         if args.calib_batches < 1:
             raise UsageError(f"--calib-batches: must be >= 1, got {args.calib_batches}")
         cfg.Compress.Quantization.calib_batches = args.calib_batches
-    ensure_out_dir(args.out, args.force)  # an existing empty directory is fine too
-    res = ptq(cfg, args.out, source=args.ckpt or None, overwrite=True, progress=not args.no_progress)
+    from gptforge.run_lock import lock_output
+
+    with lock_output(args.out, "ptq"):  # a second writer of --out fails at once, naming this one
+        ensure_out_dir(args.out, args.force)  # an existing empty directory is fine too
+        res = ptq(cfg, args.out, source=args.ckpt or None, overwrite=True, progress=not args.no_progress)
     print(f"gptforge ptq: {len(res.scales)} layers calibrated from {res.source} -> {res.out_dir}")
     return 0

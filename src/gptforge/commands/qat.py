@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if resume is None and not cfg.Engine.save_load.ckpt_dir and ckpt.latest_checkpoint(out) is not None:
         raise UsageError(f"Engine.save_load.output_dir {out} already holds step checkpoints; choose another directory "
                          "(-o Engine.save_load.output_dir=DIR) or continue that run with --resume auto")
-    result = qat(cfg, resume=resume, progress=False if args.no_progress else None)
+    result = qat(cfg, resume=resume, progress=False if args.no_progress else None, overrides=args.override)
     print(f"gptforge qat: done at step {result.step}; checkpoint {result.checkpoint_dir}; "
           f"metrics {result.output_dir}/metrics.jsonl")
     return 0

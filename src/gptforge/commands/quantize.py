@@ -40,12 +40,14 @@ def run(args: argparse.Namespace) -> int:
         return _show(args, cfg)
     if not args.out:
         raise UsageError("give the output directory with --out DIR")
-    ensure_out_dir(args.out, args.force)
     from gptforge.compress.int8_convert import convert_checkpoint
+    from gptforge.run_lock import lock_output
 
-    emb = {"auto": None, "int8": True, "float": False}[args.embedding]
-    r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
-                           overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
+    with lock_output(args.out, "quantize"):  # a second writer of --out fails at once, naming this one
+        ensure_out_dir(args.out, args.force)
+        emb = {"auto": None, "int8": True, "float": False}[args.embedding]
+        r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
+                               overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
     check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "
              f"{100 * r.argmax_agreement:.2f}%" if r.tokens else "")
     print(f"gptforge quantize: {r.int8_layers} INT8 layers{' + int8 embedding' if r.int8_embedding else ''}, "

@@ -122,13 +122,23 @@ def _float_cfg(cfg: Config) -> Config:
 
 
 def prune_and_finetune(cfg: Config, tokenizer=None, *, resume=None, save_pruned: str | os.PathLike | None = None,
-                       progress: bool | None = None, echo: bool = True) -> PruneRun:
+                       progress: bool | None = None, echo: bool = True, overrides=()) -> PruneRun:
     """Prune `Compress.pretrained` following `Compress.Prune`, then fine-tune it with the trainer.
 
     `cfg` is updated in place with the pruned shape. `save_pruned` writes the model right
     after surgery (before fine-tuning) as a model directory; with `Engine.max_steps: 0` there is
     no fine-tuning and the pruned model goes to `save_pruned` (default `<output_dir>/pruned`).
+    The output directory is locked for the whole run (`run_lock`); `overrides` (the `-o`
+    strings) that change the shape of a resumed checkpoint are refused.
     """
+    from gptforge.run_lock import lock_dir
+
+    check_prune_config(cfg)
+    with lock_dir(Path(cfg.Engine.save_load.output_dir).expanduser(), "prune"):
+        return _prune_and_finetune(cfg, tokenizer, resume, save_pruned, progress, echo, overrides)
+
+
+def _prune_and_finetune(cfg: Config, tokenizer, resume, save_pruned, progress, echo, overrides) -> PruneRun:
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.device import select_device
     from gptforge.model import build_model
@@ -136,9 +146,10 @@ def prune_and_finetune(cfg: Config, tokenizer=None, *, resume=None, save_pruned:
     from gptforge.train import Trainer, load_pretrained
     from gptforge.train import checkpoint as ckpt
 
-    check_prune_config(cfg)
     p, out_dir = cfg.Compress.Prune, Path(cfg.Engine.save_load.output_dir).expanduser()
     resume_dir = _resolve_resume(resume, cfg)
+    if resume_dir is not None:
+        ckpt.check_shape_overrides(overrides, cfg.Model, resume_dir)
     if resume_dir is None and str(resume or "") != "auto" and ckpt.latest_checkpoint(out_dir) is not None:
         raise UsageError(f"Engine.save_load.output_dir {out_dir} already holds step checkpoints; choose another "
                          "directory (--out) or continue that run with --resume auto")
@@ -185,7 +196,7 @@ def prune_and_finetune(cfg: Config, tokenizer=None, *, resume=None, save_pruned:
         train, trained, last = None, model, None
     else:
         trainer = Trainer(cfg, build_model(cfg.Model), tokenizer, transform=transform, resume=resume_dir,
-                          progress=progress, echo=echo)
+                          progress=progress, echo=echo, verb="prune")
         keeper = None
         if p.semi_structured:
             masks = state["masks"] if resume_dir is None else masks_from_weights(trainer.model)

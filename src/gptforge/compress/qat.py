@@ -36,12 +36,14 @@ def _resume_source(cfg: Config, resume) -> Path | None:
     return ckpt.resolve_resume_dir(spec)
 
 
-def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = None, echo: bool = True):
+def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = None, echo: bool = True,
+        overrides=()):
     """Train `cfg` with fake quantization; returns the trainer's `TrainResult`.
 
     `resume`: a step checkpoint, a run directory or "auto" (as `pretrain`). A fresh run needs
     `Compress.pretrained` (a float model of any format `load_model` reads; a pruned one gives
-    its own shape).
+    its own shape). `overrides` (the `-o` strings) are checked against a resumed checkpoint's
+    shape: a shape override is refused rather than ignored.
     """
     from gptforge.config import ARCH_KEYS
     from gptforge.data.tokenizer import load_tokenizer
@@ -51,6 +53,10 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
     q = cfg.Compress.Quantization
     q.enable, q.converted = True, False
     source = _resume_source(cfg, resume)
+    if source is not None:
+        from gptforge.train.checkpoint import check_shape_overrides
+
+        check_shape_overrides(overrides, cfg.Model, source)
     if source is None:
         if not cfg.Compress.pretrained:
             raise ConfigError("Compress.pretrained: not set; QAT starts from a trained float model: "
@@ -72,4 +78,5 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
     def transform(model: nn.Module) -> nn.Module:
         return quantize_model(model, q)
 
-    return pretrain(cfg, tokenizer=tokenizer, transform=transform, resume=resume, progress=progress, echo=echo)
+    return pretrain(cfg, tokenizer=tokenizer, transform=transform, resume=resume, progress=progress, echo=echo,
+                    verb="qat")

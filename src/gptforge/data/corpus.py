@@ -118,8 +118,8 @@ def builtin_token_files(tokenizer: Tokenizer, cache: str | os.PathLike | None = 
     """Prefix of the built-in corpus tokenized with `tokenizer`, prepared once into the cache.
 
     The cache is `$GPTFORGE_CACHE` (else ~/.cache/gptforge)/builtin/<python+corpus>-<tokenizer>/.
-    Files are written under temporary names and renamed, `_idx.npz` last, so two processes that
-    race both succeed and readers never see half a corpus.
+    Files are written under temporary names and renamed, `_idx.npz` last, so readers never see
+    half a corpus; two processes that race take turns (the prefix lock) and the second finds it ready.
     """
     from gptforge.data.index_map import cache_root
     from gptforge.data.indexed import IDX_SUFFIX, load_token_files
@@ -129,14 +129,25 @@ def builtin_token_files(tokenizer: Tokenizer, cache: str | os.PathLike | None = 
     v = sys.version_info
     out_dir = base / "builtin" / f"py{v.major}.{v.minor}.{v.micro}-{corpus_fingerprint()}-{tokenizer.fingerprint()}"
     prefix = out_dir / "builtin"
-    if Path(str(prefix) + IDX_SUFFIX).is_file():
-        try:
-            load_token_files(prefix)
+
+    def cached() -> bool:
+        if Path(str(prefix) + IDX_SUFFIX).is_file():
+            try:
+                load_token_files(prefix)
+                return True
+            except DataError:
+                pass  # damaged: rebuild below
+        return False
+
+    if cached():
+        return prefix
+    from gptforge.run_lock import lock_prefix
+
+    with lock_prefix(prefix, "preprocess", wait=True):  # a racing process prepares it once; the other waits
+        if cached():
             return prefix
-        except DataError:
-            pass  # damaged: rebuild below
-    print(f"gptforge: preparing the built-in corpus (Python {v.major}.{v.minor} standard library) "
-          f"with tokenizer {tokenizer.name!r} into {out_dir}", file=sys.stderr)
-    preprocess_documents(builtin_documents(), prefix, tokenizer, append_eos=True,
-                         source=f"builtin: Python {sys.version.split()[0]} standard library")
+        print(f"gptforge: preparing the built-in corpus (Python {v.major}.{v.minor} standard library) "
+              f"with tokenizer {tokenizer.name!r} into {out_dir}", file=sys.stderr)
+        preprocess_documents(builtin_documents(), prefix, tokenizer, append_eos=True,
+                             source=f"builtin: Python {sys.version.split()[0]} standard library")
     return prefix

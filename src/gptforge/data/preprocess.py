@@ -4,8 +4,13 @@ Streaming: the main process reads the input in ~1 MB chunks of documents, worker
 tokenize them, and the results are appended in input order to a temporary ids file, so memory
 stays bounded on multi-GB inputs. GPT-2's vocabulary is encoded with tiktoken (built from the
 same local files; identical ids, about 4x faster than HF tokenizers), other vocabularies with
-HF tokenizers. Outputs appear only at the end, by rename (`_idx.npz` last); on any error the
-temporary files are removed and nothing is left behind.
+HF tokenizers. Outputs appear only at the end, by fsync + rename (`_idx.npz` last); on any
+error the temporary files are removed and nothing is left behind.
+
+One writer per prefix (`run_lock.lock_prefix`): a second preprocess into the same prefix fails at
+once naming the first one's pid. Temp files carry the writer's pid (`.<name>_ids.npy.<pid>.*.tmp`)
+and a later run removes those of dead writers. Workers die with the main process: a parent-death
+signal on Linux and, everywhere, a watchdog thread that exits when the parent pid changes.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gptforge.data.indexed import IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX, ids_dtype, strip_suffix
+from gptforge.durable import fsync_path
 from gptforge.errors import DataError
+from gptforge.run_lock import lock_prefix, path_writer_alive
 
 if TYPE_CHECKING:  # pragma: no cover
     from gptforge.data.tokenizer import Tokenizer
@@ -82,11 +89,39 @@ def _no_lone_surrogates(text: str, strict: bool, where: str) -> str:
 # ------------------------------------------------------------------------------ workers
 
 _ENCODE = None
+WATCHDOG_SECONDS = 1.0
 
 
-def _init_worker(kind: str, payload: str | None) -> None:
-    """Build the encoder once per process: ('tiktoken', None) or ('hf', tokenizer.json text)."""
+def _die_with_parent(parent: int) -> None:
+    """Make this worker exit when the process that started it dies, even by SIGKILL (which
+    gives the pool no chance to stop its workers)."""
+    import signal
+    import threading
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:  # the fallback where there is no parent-death signal
+        while True:
+            time.sleep(WATCHDOG_SECONDS)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="gptforge-parent-watchdog", daemon=True).start()
+
+
+def _init_worker(kind: str, payload: str | None, parent: int | None = None) -> None:
+    """Build the encoder once per process: ('tiktoken', None) or ('hf', tokenizer.json text).
+    `parent`: the main process's pid, set in pool workers (they exit when it dies)."""
     global _ENCODE
+    if parent is not None:
+        _die_with_parent(parent)
     if kind == "tiktoken":
         from gptforge.data.tokenizer import tiktoken_gpt2
 
@@ -322,6 +357,7 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         prefix.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"{prefix.parent}: cannot create the output directory ({e.strerror or e})") from None
+    lock = lock_prefix(prefix, "preprocess")  # a second writer of this prefix fails here, naming us
     done = False
     stats = PreprocessStats(output_prefix=str(prefix), workers=workers, files=sources)
     lens_parts: list[np.ndarray] = []
@@ -329,7 +365,8 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
     temps: list[str] = []
 
     def temp(suffix: str) -> tuple[int, str]:
-        fd, name = tempfile.mkstemp(prefix=f".{prefix.name}{suffix}.", suffix=".tmp", dir=prefix.parent)
+        fd, name = tempfile.mkstemp(prefix=f".{prefix.name}{suffix}.{os.getpid()}.", suffix=".tmp",
+                                    dir=prefix.parent)
         temps.append(name)
         return fd, name
 
@@ -339,6 +376,7 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
                file=sys.stderr, mininterval=0.5)
     try:
+        remove_stale_temps(prefix)  # of killed runs into this prefix
         fd, ids_tmp = temp(IDS_SUFFIX)
         with os.fdopen(fd, "wb") as out:
             out.write(b"\0" * HEADER_BYTES)
@@ -371,7 +409,7 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
                 # the parent's tokenizer caches are inherited; spawn elsewhere.
                 method = "fork" if sys.platform.startswith("linux") else "spawn"
                 executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
-                                               initializer=_init_worker, initargs=(kind, payload))
+                                               initializer=_init_worker, initargs=(kind, payload, os.getpid()))
                 pending: collections.deque = collections.deque()
                 with _single_threaded_children():  # workers start at the first submit
                     for chunk in chunks:  # at most 2 chunks per worker in flight: bounded memory
@@ -387,11 +425,15 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
                                 f"--min-doc-length {opt.min_doc_length} characters or empty; lower it")
             out.seek(0)
             out.write(_npy_header(dtype, stats.tokens))
+            out.flush()
+            os.fsync(out.fileno())  # durable before the rename publishes it
         bar.close()
         lens = np.concatenate(lens_parts)
         fd, idx_tmp = temp(IDX_SUFFIX)
         with os.fdopen(fd, "wb") as f:
             np.savez(f, lens=lens, docs=np.arange(len(lens) + 1, dtype=np.int64))
+            f.flush()
+            os.fsync(f.fileno())
         stats.seconds = time.perf_counter() - t0
         meta = {
             "format": "gptforge-tokens/1", "tokenizer": tokenizer.name, "fingerprint": tokenizer.fingerprint(),
@@ -404,13 +446,20 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         fd, meta_tmp = temp(META_SUFFIX)
         with os.fdopen(fd, "w") as f:
             json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         for stale in _stale_index_maps(prefix):  # maps of an older corpus with this prefix
             with contextlib.suppress(OSError):
                 stale.unlink()
+        # An older corpus under this prefix stops looking complete first: a kill between the renames
+        # below must not leave new ids next to the old index.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(str(prefix) + IDX_SUFFIX)
         for tmp, suffix in ((ids_tmp, IDS_SUFFIX), (meta_tmp, META_SUFFIX), (idx_tmp, IDX_SUFFIX)):
             os.chmod(tmp, 0o644)
             os.replace(tmp, str(prefix) + suffix)
             temps.remove(tmp)
+        fsync_path(prefix.parent)
         done = True
         return stats
     except OSError as e:  # disk full, permissions: one line, nothing left behind (below)
@@ -422,10 +471,33 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         for name in temps:
             with contextlib.suppress(OSError):
                 os.unlink(name)
+        lock.release()
         if not done:
             for d in created:
                 with contextlib.suppress(OSError):
                     d.rmdir()
+
+
+def remove_stale_temps(prefix: Path) -> list[Path]:
+    """Remove the temp files of earlier runs into `prefix` whose writer is dead (a temp named
+    without a pid comes from an older version and counts as dead: the caller holds the lock)."""
+    import re
+
+    pat = re.compile(rf"^\.{re.escape(prefix.name)}(?:{'|'.join(map(re.escape, (IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX)))})"
+                     r"\.(?:(\d+)\.)?[^.]+\.tmp$")
+    removed = []
+    if not prefix.parent.is_dir():
+        return removed
+    for c in prefix.parent.iterdir():
+        m = pat.match(c.name)
+        if m is None or not c.is_file():
+            continue
+        if m.group(1) is not None and path_writer_alive(int(m.group(1)), c):
+            continue
+        with contextlib.suppress(OSError):
+            c.unlink()
+            removed.append(c)
+    return removed
 
 
 def _output_prefix(output_prefix: str | os.PathLike) -> Path:

@@ -219,13 +219,17 @@ def amp_dtype_for(cfg, device: torch.device) -> torch.dtype | None:
 def write_atomic(path: str | os.PathLike, write) -> Path:
     """Call `write(tmp_path)` on a temporary name in the same directory, then rename it to
     `path`: readers see the old file or the new one, never half of one."""
+    from gptforge.durable import fsync_path
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
     os.close(fd)
     try:
         write(tmp)
+        fsync_path(tmp)  # durable before it is published: a power loss leaves the old file or the new
         os.replace(tmp, p)
+        fsync_path(p.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

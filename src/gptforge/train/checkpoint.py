@@ -10,9 +10,14 @@ the training state:
 - `trainer_state.json`: step, consumed train/eval samples, epoch, last loss and lr; written
   last, human-readable.
 
-The directory is assembled under a hidden temporary name and renamed into place
-(`model_io.atomic_dir`), so a crash or SIGKILL mid-write leaves at most a stale temp dir that
-the next run removes, and every `step_N` directory is complete.
+The directory is assembled under a hidden temporary name carrying the writer's pid, fsynced
+and renamed into place (`model_io.atomic_dir`), so a crash or SIGKILL mid-write leaves at most a
+temp dir that the next run removes once its writer is dead, and every `step_N` directory is
+complete. Replacing an existing `step_N` swaps the two directories atomically (or renames the old
+one aside and `clean_stale_tmp` puts it back if the writer died in between).
+
+Lineage: `trainer_state.json` records the `run_id` of the run that wrote it (kept across
+resumes), and `keep_last` deletes only checkpoints of the same run.
 
 This is the format of a single-process run. A run over several processes writes
 torch.distributed.checkpoint shards instead of `model.safetensors` (and no optimizer in
@@ -26,19 +31,24 @@ import random
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from gptforge.errors import CheckpointError
+from gptforge.durable import recover_aside
+from gptforge.errors import CheckpointError, ConfigError
 from gptforge.model_io import WEIGHTS_FILE, atomic_dir, write_model_files
+from gptforge.run_lock import path_writer_alive
 
 STATE_FILE = "training_state.pt"
 META_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_RE = re.compile(r"^\.step_\d+\.tmp-")
+TMP_PID_RE = re.compile(r"^\.step_\d+\.tmp-(\d+)-")  # .step_N.tmp-<pid>-<random>
+ANY_RUN = object()  # prune_checkpoints: every lineage
 
 
 def step_dir_name(step: int) -> str:
@@ -123,26 +133,81 @@ def resolve_resume_dir(path: str | Path) -> Path:
 
 
 def clean_stale_tmp(output_dir: str | Path) -> list[Path]:
-    """Remove temp dirs left by a save that was killed mid-write."""
+    """Remove temp dirs of saves whose writer is dead (killed mid-write), and put back a
+    `step_N` that a killed writer had renamed aside but not yet replaced. A temp dir without a
+    pid in its name (older versions, the distributed `.tmp-dist`) counts as dead: the caller
+    holds the directory's lock, so no other writer of this version is at work here."""
     out = Path(output_dir)
     removed = []
-    if out.is_dir():
-        for c in out.iterdir():
-            if c.is_dir() and (TMP_RE.match(c.name) or c.name.startswith(".step_") and ".old-" in c.name):
-                shutil.rmtree(c, ignore_errors=True)
-                removed.append(c)
+    if not out.is_dir():
+        return removed
+    recover_aside(out)
+    for c in out.iterdir():
+        if c.is_dir() and TMP_RE.match(c.name):
+            m = TMP_PID_RE.match(c.name)
+            if m is not None and path_writer_alive(int(m.group(1)), c):
+                continue
+            shutil.rmtree(c, ignore_errors=True)
+            removed.append(c)
     return removed
 
 
-def prune_checkpoints(output_dir: str | Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest `keep_last` step checkpoints."""
+def new_run_id() -> str:
+    """A fresh lineage id for a run started from step 0."""
+    return uuid.uuid4().hex[:12]
+
+
+def run_id_of(path: str | Path) -> str | None:
+    """The lineage id a step checkpoint records (None: written before run ids existed)."""
+    try:
+        return json.loads((Path(path) / META_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def foreign_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
+    """Complete step checkpoints in `output_dir` written by another run than `run_id`."""
+    return [p for _, p in list_checkpoints(output_dir) if run_id_of(p) != run_id]
+
+
+def prune_checkpoints(output_dir: str | Path, keep_last: int | None, run_id=ANY_RUN) -> list[Path]:
+    """Delete all but the newest `keep_last` step checkpoints of lineage `run_id` (default: all)."""
     if not keep_last or keep_last <= 0:
         return []
-    ckpts = list_checkpoints(output_dir)
+    ckpts = [(n, p) for n, p in list_checkpoints(output_dir) if run_id is ANY_RUN or run_id_of(p) == run_id]
     doomed = [p for _, p in ckpts[:-keep_last]]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def check_shape_overrides(overrides, model_cfg, ckpt_dir: str | Path) -> None:
+    """Refuse `-o Model.<shape key>=...` (or `Model.preset`) that differs from the shape of the
+    checkpoint being resumed: a resumed run keeps its shape, so the override would be ignored."""
+    from gptforge.config import ARCH_KEYS
+    from gptforge.config.aliases import normalize_path
+    from gptforge.model_io import checkpoint_model_config
+
+    keys = []
+    for o in overrides or ():
+        key = ".".join(normalize_path(str(o).split("=", 1)[0].strip()))
+        if key.startswith("Model.") and (key[6:] in ARCH_KEYS or key[6:] == "preset"):
+            keys.append(key[6:])
+    if not keys:
+        return
+    shape = checkpoint_model_config(ckpt_dir, fallback=model_cfg)
+    for k in keys:
+        names = ARCH_KEYS if k == "preset" else (k,)
+        for name in names:
+            if _shape_value(getattr(model_cfg, name)) != _shape_value(getattr(shape, name)):
+                raise ConfigError(
+                    f"Model.{k}: {getattr(model_cfg, k)} differs from the resumed checkpoint {ckpt_dir} "
+                    f"(Model.{name}: {getattr(shape, name)}); a resumed run keeps its shape: drop -o Model.{k} "
+                    "or start a new run in another output directory")
+
+
+def _shape_value(v):
+    return None if v in ([], (), None) else (list(v) if isinstance(v, (list, tuple)) else v)
 
 
 # ------------------------------------------------------------------------- save / load
@@ -164,7 +229,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, cfg, to
         write_model_files(model, cfg, tmp, tokenizer)
         torch.save(state, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    prune_checkpoints(output_dir, keep_last)
+    prune_checkpoints(output_dir, keep_last, meta.get("run_id"))
     return dest
 
 

@@ -112,14 +112,10 @@ def save_distributed(output_dir: str | os.PathLike, step: int, model: nn.Module,
         meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta, "format": "dcp",
                 "distributed": par.record()}
         (tmp / ckpt.META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        ckpt.prune_checkpoints(out, keep_last)
+        from gptforge.durable import publish_dir
+
+        publish_dir(tmp, dest)  # fsync, then rename; an old step_N is swapped out, never lost
+        ckpt.prune_checkpoints(out, keep_last, meta.get("run_id"))
     par.barrier()
     return dest
 

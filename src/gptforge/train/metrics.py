@@ -142,7 +142,8 @@ class RunLogger:
     """
 
     def __init__(self, run_dir: Path | None, enabled: bool = True, tensorboard: bool = True,
-                 total_steps: int = 0, start_step: int = 0, progress: bool | None = None, echo: bool = True):
+                 total_steps: int = 0, start_step: int = 0, progress: bool | None = None, echo: bool = True,
+                 truncate_after: int | None = None):
         self.enabled = enabled and run_dir is not None
         self.echo = echo
         self.run_dir = run_dir
@@ -150,6 +151,8 @@ class RunLogger:
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if truncate_after is not None:
+            truncate_metrics(run_dir / "metrics.jsonl", truncate_after)
         self._log = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
@@ -209,6 +212,29 @@ class RunLogger:
             if f is not None:
                 f.close()
         self._bar = self._tb = self._log = self._jsonl = None
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records of `path` logged after `step` (and a torn last line), so that a run
+    resumed from `step_N` logs every later step exactly once. Returns the records dropped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if line.endswith("\n") and isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            keep.append(line)
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def _jsonable(v):

@@ -14,6 +14,7 @@ schedule advances by the global batch only if the update happened. Steps are cou
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from gptforge.config.schema import Config
-from gptforge.errors import ConfigError, GPTForgeError
+from gptforge.errors import ConfigError, GPTForgeError, UsageError
 from gptforge.train import checkpoint as ckpt
 from gptforge.train import dist_checkpoint as dist_ckpt
 from gptforge.train.metrics import (
@@ -109,14 +110,21 @@ class Trainer:
     {"Train": ..., "Eval": ...} to use instead of `build_datasets(cfg)`. `resume`: a step
     checkpoint, a run directory, or "auto" (the newest complete checkpoint in the output dir);
     default `Engine.save_load.ckpt_dir`.
+
+    The output directory has one owner: the main process holds its lock (`run_lock`, under
+    the name `verb`) from here until `train()` returns. Checkpoints of another run there are
+    refused unless `overwrite`, which deletes them (with the old metrics and logs) when
+    training starts.
     """
 
     def __init__(self, cfg: Config, model: nn.Module | None = None, tokenizer=None, *,
                  transform: Callable[[nn.Module], nn.Module] | None = None,
                  datasets: dict | None = None, resume: str | Path | None = None,
-                 progress: bool | None = None, echo: bool = True):
+                 progress: bool | None = None, echo: bool = True, overwrite: bool = False,
+                 verb: str = "pretrain"):
         from gptforge.config import check_train_shapes
         from gptforge.device import select_device
+        from gptforge.run_lock import lock_dir
 
         check_train_shapes(cfg)
         self.cfg = cfg
@@ -130,10 +138,35 @@ class Trainer:
         self.device = self.par.device
         self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
         self.output_dir = Path(e.save_load.output_dir).expanduser()
+        made_dir = not self.output_dir.exists()
+        # One writer per run directory: a second one fails here, before any work, naming the holder.
+        self._lock = lock_dir(self.output_dir, verb) if self.par.is_main else None
+        try:
+            self._setup(cfg, model, tokenizer, transform, datasets, resume, progress, echo, overwrite, verb)
+        except BaseException:
+            self._release()
+            if made_dir and self.par.is_main:
+                with contextlib.suppress(OSError):
+                    self.output_dir.rmdir()  # only if this run put nothing there
+            raise
+
+    def _setup(self, cfg, model, tokenizer, transform, datasets, resume, progress, echo, overwrite, verb) -> None:
+        from gptforge.config import check_train_shapes
+
+        e = cfg.Engine
         self.max_steps = e.max_steps
         self.gbs, self.local_bs = cfg.Global.global_batch_size, cfg.Global.local_batch_size
         self.acc = e.accumulate_steps
         self.resume_dir = self._resume_dir(resume if resume is not None else e.save_load.ckpt_dir)
+        # Lineage: a resumed run keeps the id its checkpoint records; keep_last prunes only it.
+        self.run_id = ckpt.run_id_of(self.resume_dir) if self.resume_dir is not None else ckpt.new_run_id()
+        self.overwrite = overwrite
+        foreign = ckpt.foreign_checkpoints(self.output_dir, self.run_id) if self.par.is_main else []
+        if foreign and not overwrite:
+            names = ", ".join(p.name for p in foreign[-3:])
+            hint = ", or start over there with --force (deletes them)" if verb == "pretrain" else ""
+            raise UsageError(f"{self.output_dir}: already holds checkpoints of another run ({names}); continue "
+                             f"that run with --resume auto, choose another Engine.save_load.output_dir{hint}")
         seed_everything(cfg.Global.seed)
 
         # 1. model → pretrained weights → caller's transform → device → resumed weights
@@ -143,6 +176,7 @@ class Trainer:
             from gptforge.model_io import load_model
 
             model, shaped = load_model(self.resume_dir, cfg, with_structure=True)
+            _check_same_shape(cfg.Model, shaped.Model, self.resume_dir)
             cfg.Model = shaped.Model  # the saved config must describe the saved model
             check_train_shapes(cfg)
             resumed_whole = True
@@ -339,7 +373,7 @@ class Trainer:
         meta = {"consumed_samples": self.step * self.gbs, "eval_consumed_samples": self.eval_consumed,
                 "eval_batches": self.eval_batches_done, "global_batch_size": self.gbs,
                 "scheduler_samples": self.scheduler.samples, "lr": self.scheduler.lr, "loss": loss,
-                "precision": self.precision.name}
+                "precision": self.precision.name, "run_id": self.run_id}
         if self.par.distributed:
             path = dist_ckpt.save_distributed(self.output_dir, self.step, self.model, self.cfg, self.tokenizer,
                                               self.optimizer, self.scheduler, self.precision, meta, self.par,
@@ -356,24 +390,49 @@ class Trainer:
 
     def _write_run_config(self) -> None:
         from gptforge.config import config_to_yaml
+        from gptforge.durable import write_text_durable
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.output_dir / ".config.yaml.tmp"
-        tmp.write_text(config_to_yaml(self.cfg), encoding="utf-8")
-        tmp.replace(self.output_dir / "config.yaml")
+        write_text_durable(self.output_dir / "config.yaml", config_to_yaml(self.cfg))
+
+    def _start_over(self) -> None:
+        """`overwrite`: delete the other runs' checkpoints and the old logs before step 1."""
+        import shutil
+
+        for p in ckpt.foreign_checkpoints(self.output_dir, self.run_id):
+            shutil.rmtree(p)
+        for name in ("metrics.jsonl", "train.log"):
+            (self.output_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(self.output_dir / "tensorboard", ignore_errors=True)
+
+    def _release(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
 
     # -------------------------------------------------------------------------- loop
 
     def train(self) -> TrainResult:
-        """Run until `Engine.max_steps` steps are done; returns a `TrainResult`."""
+        """Run until `Engine.max_steps` steps are done; returns a `TrainResult`. Gives the output
+        directory's lock back when it returns or fails."""
+        try:
+            return self._train()
+        finally:
+            self._release()
+
+    def _train(self) -> TrainResult:
         e, cfg = self.cfg.Engine, self.cfg
         train_len = len(self.datasets["Train"])
         if self.par.is_main:
             ckpt.clean_stale_tmp(self.output_dir)
+            if self.overwrite:
+                self._start_over()
             self._write_run_config()
         self.par.barrier()  # no rank writes a checkpoint before the stale temp dirs are gone
+        # Records past the resumed step were logged by a run that died before saving them: drop
+        # them so each step has one record however many times the run is resumed.
         log = RunLogger(self.output_dir, enabled=self.par.is_main, total_steps=self.max_steps,
-                        start_step=self.step, progress=self.progress, echo=self.echo)
+                        start_step=self.step, progress=self.progress, echo=self.echo, truncate_after=self.step)
         seq = cfg.Data.Train.dataset.max_seq_len
         tokens_per_step = self.gbs * seq
         save_steps = e.save_load.save_steps
@@ -502,6 +561,21 @@ class _ProfileWindow:
             (self.dir / f"{name}.txt").write_text(table + "\n", encoding="utf-8")
             self.log.info(f"[profile] steps {self.start}..{self.end - 1}: {self.dir / name}.trace.json and .txt")
             self.prof = None
+
+
+def _check_same_shape(want, have, ckpt_dir: Path) -> None:
+    """A resumed run keeps its checkpoint's shape: refuse a config (e.g. `-o Model.hidden_size`)
+    that asks for another one instead of ignoring it silently."""
+    from gptforge.config import ARCH_KEYS
+
+    def norm(v):
+        return None if v in ([], (), None) else (list(v) if isinstance(v, (list, tuple)) else v)
+
+    for k in ARCH_KEYS:
+        if norm(getattr(want, k)) != norm(getattr(have, k)):
+            raise ConfigError(f"Model.{k}: {getattr(want, k)} differs from the resumed checkpoint {ckpt_dir} "
+                              f"({getattr(have, k)}); a resumed run keeps its shape: drop the override, or start a "
+                              "new run in another output directory")
 
 
 def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
