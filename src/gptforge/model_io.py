@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from gptforge.errors import CheckpointError
+from gptforge.errors import CheckpointError, GPTForgeError
+from gptforge.fsguard import disk_full_errno, disk_full_error
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -328,6 +329,12 @@ class _AtomicDir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            # Every writer (safetensors, torch.save, tokenizers, onnx) words a full disk its own
+            # way; say it once, naming the directory that was not published.
+            if isinstance(exc, Exception) and not isinstance(exc, GPTForgeError):
+                code = disk_full_errno(exc)
+                if code is not None:
+                    raise disk_full_error(self.out, code) from None
             return
         _umask_modes(self.tmp)
         old = None

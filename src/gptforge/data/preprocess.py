@@ -31,6 +31,7 @@ import numpy as np
 
 from gptforge.data.indexed import IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX, ids_dtype, strip_suffix
 from gptforge.errors import DataError
+from gptforge.fsguard import disk_full_errno, disk_full_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from gptforge.data.tokenizer import Tokenizer
@@ -414,6 +415,9 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         done = True
         return stats
     except OSError as e:  # disk full, permissions: one line, nothing left behind (below)
+        code = disk_full_errno(e)
+        if code is not None:
+            raise disk_full_error(f"{prefix}{IDS_SUFFIX} + {IDX_SUFFIX}", code) from None
         raise DataError(f"{prefix}: cannot write the output ({e.strerror or e})") from None
     finally:
         bar.close()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gptforge.errors import ConfigError
+from gptforge.fsguard import disk_full_guard
 
 # Rows projected onto the vocabulary at once: bounds the [rows, V] fp32 buffer (~200 MB at
 # V=50304) when every position is scored (WikiText with stride = window).
@@ -224,8 +225,9 @@ def write_atomic(path: str | os.PathLike, write) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
     os.close(fd)
     try:
-        write(tmp)
-        os.replace(tmp, p)
+        with disk_full_guard(p):
+            write(tmp)
+            os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
