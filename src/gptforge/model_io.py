@@ -234,6 +234,14 @@ def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tens
     return sd
 
 
+def _weights_source(p: Path, fmt: str) -> str:
+    """The file (or directory, for sharded weights) that errors about the weights should name."""
+    if fmt == PADDLE:
+        return str(p if p.is_file() else p / "model.pdparams")
+    files = sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin"))
+    return str(files[0]) if len(files) == 1 else str(p)
+
+
 def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
     """Rebuild structure the checkpoint was saved with (fake-quant modules; INT8 modules of a
     converted model)."""
@@ -279,7 +287,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
             sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
         names = set(model.state_dict())
         sd = {k: v for k, v in sd.items() if k in names}
-    load_state_dict_checked(model, sd, str(p))
+    load_state_dict_checked(model, sd, _weights_source(p, fmt))
     model = model.to(device=device or "cpu", dtype=dtype)
     model.eval()
     return model, dataclasses.replace(cfg, Model=model_cfg)
@@ -303,8 +311,29 @@ def load_state_dict_checked(model: torch.nn.Module, sd: dict[str, torch.Tensor],
                 f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but the model expects {tuple(t.shape)}; "
                 "the Model section does not describe this checkpoint"
             )
+    check_dtypes(expected, sd, source)
     sd = {k: v.to(expected[k].dtype) if v.is_floating_point() else v for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
+
+
+def check_dtypes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: str) -> None:
+    """CheckpointError naming the tensor when a checkpoint holds integers (or bools) where the
+    model has floats, or a different integer type where it has integers (INT8 weights): a copy
+    would cast them silently into nonsense weights."""
+    for k, t in expected.items():
+        if k not in sd:
+            continue
+        v = sd[k]
+        if t.is_floating_point():
+            ok = v.is_floating_point()
+        else:
+            ok = v.dtype == t.dtype
+        if not ok:
+            want = "a floating-point tensor" if t.is_floating_point() else str(t.dtype).replace("torch.", "")
+            raise CheckpointError(
+                f"{source}: tensor {k} is {str(v.dtype).replace('torch.', '')} but the model expects {want}; "
+                "the file is corrupted or was not written as model weights"
+            )
 
 
 # ------------------------------------------------------------------------------- saving

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from gptforge.errors import CheckpointError
-from gptforge.model_io import WEIGHTS_FILE, atomic_dir, write_model_files
+from gptforge.model_io import WEIGHTS_FILE, atomic_dir, check_dtypes, write_model_files
 
 STATE_FILE = "training_state.pt"
 META_FILE = "trainer_state.json"
@@ -202,6 +202,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
         if tuple(t.shape) != tuple(sd[k].shape):
             raise CheckpointError(f"{f}: tensor {k} has shape {tuple(sd[k].shape)} but the model expects "
                                   f"{tuple(t.shape)}")
+    check_dtypes(expected, sd, str(f))
     model.load_state_dict(sd, strict=True)
 
 
