@@ -61,7 +61,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
             return p
         if p.name in (CONFIG_FILE, WEIGHTS_FILE, "config.json"):
             return resolve_checkpoint_path(p.parent)
-        raise CheckpointError(f"{p}: expected a model directory or a .pdparams file")
+        raise CheckpointError(f"{p}: is a file, expected a directory (a model directory) or a .pdparams file")
     if _is_ours(p) or (p / "config.json").is_file() or (p / "model.pdparams").is_file():
         return p
     steps = sorted((c for c in p.iterdir() if c.is_dir() and _is_ours(c) and _step_of(c) >= 0), key=_step_of)
@@ -349,6 +349,8 @@ class _AtomicDir:
         self.out, self.overwrite = out, overwrite
 
     def __enter__(self) -> Path:
+        if self.out.exists() and not self.out.is_dir():
+            raise CheckpointError(f"{self.out}: is a file, expected a directory; choose another output path")
         if self.out.exists() and not self.overwrite:
             raise CheckpointError(f"{self.out}: already exists (pass --force to overwrite)")
         self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -221,6 +221,10 @@ def write_atomic(path: str | os.PathLike, write) -> Path:
     """Call `write(tmp_path)` on a temporary name in the same directory, then rename it to
     `path`: readers see the old file or the new one, never half of one."""
     p = Path(path)
+    if p.is_dir():
+        from gptforge.errors import UsageError
+
+        raise UsageError(f"{p}: is a directory, expected a file to write; name a file")
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
     os.close(fd)
@@ -252,8 +256,10 @@ def read_text(path: str | os.PathLike) -> str:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: file not found (evaluation data is never downloaded; give your own file)")
+    if p.is_dir():
+        raise DataError(f"{p}: is a directory, expected a file")
     if not p.is_file():
-        raise DataError(f"{p}: not a file")
+        raise DataError(f"{p}: not a regular file")
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")

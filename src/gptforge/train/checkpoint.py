@@ -109,6 +109,8 @@ def resolve_resume_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: resume checkpoint not found")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: is a file, expected a directory (a step_N checkpoint or its run directory)")
     if is_complete(p):
         return p
     latest = latest_checkpoint(p) if p.is_dir() else None
