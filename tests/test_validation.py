@@ -21,9 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def model_dir(tmp_path_factory):
     """A tiny model directory (with a small tokenizer) saved the way `pretrain` saves them."""
     from gf_testutil import tiny_model
-    from test_train_support import small_tokenizer
-
     from gptforge.model_io import save_model_dir
+    from test_train_support import small_tokenizer
 
     model, cfg = tiny_model("Global.device=cpu")
     out = tmp_path_factory.mktemp("validation") / "model"
@@ -121,7 +120,6 @@ def test_integer_tensors_refused_on_resume(tmp_path):
     """A step checkpoint's weights are copied in place on resume: an int32 tensor would be cast
     into nonsense floats silently."""
     from gf_testutil import tiny_model
-
     from gptforge.model_io import WEIGHTS_FILE, save_model_dir
     from gptforge.train.checkpoint import load_model_weights
 
@@ -152,9 +150,8 @@ def test_prompt_file_that_is_a_directory(model_dir, tmp_path, run_cli):
 
 
 def test_input_dir_that_is_a_text_file(tmp_path, run_cli):
-    from test_train_support import train_config
-
     from gptforge.config import save_config
+    from test_train_support import train_config
 
     text = tmp_path / "corpus.txt"
     text.write_text("some raw text that was never preprocessed\n")

@@ -97,9 +97,12 @@ def _hf_weight_shapes(p: Path) -> dict[str, tuple[int, ...]]:
     if files:
         shapes = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
-                    shapes[k] = tuple(sf.get_slice(k).get_shape())
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                        shapes[k] = tuple(sf.get_slice(k).get_shape())
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise CheckpointError(f"{f}: unreadable ({e}); the file is truncated or corrupted") from None
         return shapes
     return {k: tuple(v.shape) for k, v in _hf_tensors(p).items()}
 
@@ -111,7 +114,10 @@ def _hf_tensors(p: Path) -> dict[str, torch.Tensor]:
     if files:
         sd: dict[str, torch.Tensor] = {}
         for f in files:
-            sd.update(load_file(str(f)))
+            try:
+                sd.update(load_file(str(f)))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{f}: unreadable ({e}); the file is truncated or corrupted") from None
         return sd
     bins = sorted(p.glob("pytorch_model*.bin"))
     if not bins:
@@ -143,7 +149,7 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
     p = resolve_checkpoint_path(path)
     fmt = detect_format(p)
     if fmt == OURS:
-        return normalize_raw(read_yaml(p / CONFIG_FILE))
+        return _our_config(p / CONFIG_FILE, normalize_raw(read_yaml(p / CONFIG_FILE)))
     if fmt == HF:
         model = convert.hf_config_to_model(convert.read_json(p / "config.json"), str(p / "config.json"))
         head_dim = model["hidden_size"] // model["num_attention_heads"]
@@ -162,6 +168,28 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
         model["num_attention_heads"] = heads
     else:
         raw["__requires__"] = ["Model.num_attention_heads"]
+    return raw
+
+
+# Shape keys every config.yaml we write records; without them the file is not whole.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings")
+
+
+def _our_config(f: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` (a checkpoint's config.yaml) if it is a whole config; a truncated or damaged one
+    is a CheckpointError naming the file rather than a model silently built from defaults."""
+    from gptforge.config.loader import apply_preset, build_config
+    from gptforge.errors import ConfigError
+
+    model = raw.get("Model")
+    missing = [k for k in _SHAPE_KEYS if not isinstance(model, dict) or k not in model]
+    if missing and not (isinstance(model, dict) and model.get("preset")):
+        raise CheckpointError(f"{f}: {'empty' if not raw else 'no Model.' + missing[0]}; the file is truncated "
+                              "or was not written by gptforge (copy it again from the original checkpoint)")
+    try:
+        build_config(apply_preset(dict(raw)))
+    except ConfigError as e:
+        raise CheckpointError(f"{f}: {e}; the file is truncated or corrupted") from None
     return raw
 
 

@@ -50,6 +50,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not lines:
+            raise DataError(f"{path}: empty; give one prompt per line")
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 raise DataError(f"{path}:{n}: empty prompt line; remove blank lines (one prompt per line)")

@@ -174,7 +174,7 @@ def read_meta(path: str | Path) -> dict:
     f = Path(path) / META_FILE
     try:
         return json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
         raise CheckpointError(f"{f}: unreadable ({e})") from None
 
 
