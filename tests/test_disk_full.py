@@ -179,3 +179,30 @@ def test_generate_json_on_a_full_disk(run_dir, tmp_path):
                        "--json", out, "-o", "Generation.max_dec_len=4", "-o", "Global.device=cpu", "--no-stream")
     assert_disk_full(proc, out)
     assert not out.exists() and no_temps(tmp_path) == []
+
+
+def test_tokenizer_save_does_not_swallow_a_full_disk(tmp_path):
+    """vocab.json/merges.txt are optional extras, but a full disk while writing them must fail
+    the save (else a truncated vocab.json would be published)."""
+    from gptforge.data.tokenizer import Tokenizer
+    from test_train_support import small_tokenizer
+
+    class Model:
+        def __init__(self, error):
+            self.error = error
+
+        def save(self, folder):
+            raise self.error
+
+    class Backend:
+        def __init__(self, real, error):
+            self.real, self.model = real, Model(error)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    real = small_tokenizer().backend
+    with pytest.raises(Exception, match="os error 28"):
+        Tokenizer(Backend(real, Exception("No space left on device (os error 28)"))).save(tmp_path / "a")
+    Tokenizer(Backend(real, Exception("this model has no vocab files"))).save(tmp_path / "b")
+    assert (tmp_path / "b" / "tokenizer.json").is_file()
