@@ -161,3 +161,16 @@ def test_world_is_sound(world, tmp_path, run_cli):
         code, out, err = run_cli(*argv)
         assert code == 0, (rel, err[-2000:])
         json.dumps(out)  # printable
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_damaged_analysis_state(tmp_path, mode):
+    """`gptforge analyze` resumes from its state file; a damaged one is one line naming it."""
+    from gptforge.compress.sensitivity import read_state
+    from gptforge.errors import UsageError
+
+    f = tmp_path / "analysis.json"
+    f.write_text(json.dumps({"format": "x", "fingerprint": {}, "layers": {"a": 1.0}}))
+    damage(f, mode)
+    with pytest.raises(UsageError, match=f"{f}: "):
+        read_state(f, {})
