@@ -9,11 +9,14 @@ and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
 
 from gptforge import __version__
 from gptforge.errors import GPTForgeError
+from gptforge.fsguard import disk_full_errno, disk_full_error
 
 # verb -> (module, one-line help). Order is the order of the life cycle.
 VERBS: dict[str, tuple[str, str]] = {
@@ -67,6 +70,20 @@ def _first_positional(argv: list[str]) -> str | None:
     return None
 
 
+def _print_error(verb: str, e: Exception) -> int:
+    msg = " ".join(str(e).split())
+    print(f"gptforge {verb}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _ignore_file_size_signal() -> None:
+    """Past `ulimit -f` the kernel sends SIGXFSZ, whose default kills the process with no word;
+    ignored, the write fails with EFBIG and is reported like a full disk."""
+    if hasattr(signal, "SIGXFSZ"):
+        with contextlib.suppress(ValueError):  # not the main thread (cli.main called from a thread)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = _first_positional(argv)
@@ -75,13 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
+    _ignore_file_size_signal()
     module = importlib.import_module(VERBS[args.verb][0])
     try:
         return int(module.run(args) or 0)
     except GPTForgeError as e:
-        msg = " ".join(str(e).split())
-        print(f"gptforge {args.verb}: error: {msg}", file=sys.stderr)
-        return 2
+        return _print_error(args.verb, e)
+    except Exception as e:
+        # Last resort for a write site that does not translate a full disk itself.
+        code = disk_full_errno(e)
+        if code is None:
+            raise
+        where = getattr(e, "filename", None) or "an output file (path not reported by the writer)"
+        return _print_error(args.verb, disk_full_error(where, code, atomic=False))
     except KeyboardInterrupt:
         print(f"gptforge {args.verb}: interrupted", file=sys.stderr)
         return 130

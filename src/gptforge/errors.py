@@ -21,3 +21,7 @@ class CheckpointError(GPTForgeError):
 
 class UsageError(GPTForgeError):
     """A command-line usage problem (missing flag, conflicting options)."""
+
+
+class DiskFullError(GPTForgeError):
+    """A write failed because the disk (or a quota, or the file-size limit) is full."""

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from gptforge.durable import publish_dir, recover_aside
-from gptforge.errors import CheckpointError
+from gptforge.errors import CheckpointError, GPTForgeError
+from gptforge.fsguard import disk_full_errno, disk_full_error
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -61,7 +62,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
             return p
         if p.name in (CONFIG_FILE, WEIGHTS_FILE, "config.json"):
             return resolve_checkpoint_path(p.parent)
-        raise CheckpointError(f"{p}: expected a model directory or a .pdparams file")
+        raise CheckpointError(f"{p}: is a file, expected a directory (a model directory) or a .pdparams file")
     if _is_ours(p) or (p / "config.json").is_file() or (p / "model.pdparams").is_file():
         return p
     steps = sorted((c for c in p.iterdir() if c.is_dir() and _is_ours(c) and _step_of(c) >= 0), key=_step_of)
@@ -97,9 +98,12 @@ def _hf_weight_shapes(p: Path) -> dict[str, tuple[int, ...]]:
     if files:
         shapes = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
-                    shapes[k] = tuple(sf.get_slice(k).get_shape())
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                        shapes[k] = tuple(sf.get_slice(k).get_shape())
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise CheckpointError(f"{f}: unreadable ({e}); the file is truncated or corrupted") from None
         return shapes
     return {k: tuple(v.shape) for k, v in _hf_tensors(p).items()}
 
@@ -111,7 +115,10 @@ def _hf_tensors(p: Path) -> dict[str, torch.Tensor]:
     if files:
         sd: dict[str, torch.Tensor] = {}
         for f in files:
-            sd.update(load_file(str(f)))
+            try:
+                sd.update(load_file(str(f)))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{f}: unreadable ({e}); the file is truncated or corrupted") from None
         return sd
     bins = sorted(p.glob("pytorch_model*.bin"))
     if not bins:
@@ -143,7 +150,7 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
     p = resolve_checkpoint_path(path)
     fmt = detect_format(p)
     if fmt == OURS:
-        return normalize_raw(read_yaml(p / CONFIG_FILE))
+        return _our_config(p / CONFIG_FILE, normalize_raw(read_yaml(p / CONFIG_FILE)))
     if fmt == HF:
         model = convert.hf_config_to_model(convert.read_json(p / "config.json"), str(p / "config.json"))
         head_dim = model["hidden_size"] // model["num_attention_heads"]
@@ -162,6 +169,28 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
         model["num_attention_heads"] = heads
     else:
         raw["__requires__"] = ["Model.num_attention_heads"]
+    return raw
+
+
+# Shape keys every config.yaml we write records; without them the file is not whole.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings")
+
+
+def _our_config(f: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` (a checkpoint's config.yaml) if it is a whole config; a truncated or damaged one
+    is a CheckpointError naming the file rather than a model silently built from defaults."""
+    from gptforge.config.loader import apply_preset, build_config
+    from gptforge.errors import ConfigError
+
+    model = raw.get("Model")
+    missing = [k for k in _SHAPE_KEYS if not isinstance(model, dict) or k not in model]
+    if missing and not (isinstance(model, dict) and model.get("preset")):
+        raise CheckpointError(f"{f}: {'empty' if not raw else 'no Model.' + missing[0]}; the file is truncated "
+                              "or was not written by gptforge (copy it again from the original checkpoint)")
+    try:
+        build_config(apply_preset(dict(raw)))
+    except ConfigError as e:
+        raise CheckpointError(f"{f}: {e}; the file is truncated or corrupted") from None
     return raw
 
 
@@ -234,6 +263,14 @@ def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tens
     return sd
 
 
+def _weights_source(p: Path, fmt: str) -> str:
+    """The file (or directory, for sharded weights) that errors about the weights should name."""
+    if fmt == PADDLE:
+        return str(p if p.is_file() else p / "model.pdparams")
+    files = sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin"))
+    return str(files[0]) if len(files) == 1 else str(p)
+
+
 def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
     """Rebuild structure the checkpoint was saved with (fake-quant modules; INT8 modules of a
     converted model)."""
@@ -279,7 +316,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
             sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
         names = set(model.state_dict())
         sd = {k: v for k, v in sd.items() if k in names}
-    load_state_dict_checked(model, sd, str(p))
+    load_state_dict_checked(model, sd, _weights_source(p, fmt))
     model = model.to(device=device or "cpu", dtype=dtype)
     model.eval()
     return model, dataclasses.replace(cfg, Model=model_cfg)
@@ -303,8 +340,29 @@ def load_state_dict_checked(model: torch.nn.Module, sd: dict[str, torch.Tensor],
                 f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but the model expects {tuple(t.shape)}; "
                 "the Model section does not describe this checkpoint"
             )
+    check_dtypes(expected, sd, source)
     sd = {k: v.to(expected[k].dtype) if v.is_floating_point() else v for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
+
+
+def check_dtypes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: str) -> None:
+    """CheckpointError naming the tensor when a checkpoint holds integers (or bools) where the
+    model has floats, or a different integer type where it has integers (INT8 weights): a copy
+    would cast them silently into nonsense weights."""
+    for k, t in expected.items():
+        if k not in sd:
+            continue
+        v = sd[k]
+        if t.is_floating_point():
+            ok = v.is_floating_point()
+        else:
+            ok = v.dtype == t.dtype
+        if not ok:
+            want = "a floating-point tensor" if t.is_floating_point() else str(t.dtype).replace("torch.", "")
+            raise CheckpointError(
+                f"{source}: tensor {k} is {str(v.dtype).replace('torch.', '')} but the model expects {want}; "
+                "the file is corrupted or was not written as model weights"
+            )
 
 
 # ------------------------------------------------------------------------------- saving
@@ -320,6 +378,8 @@ class _AtomicDir:
         self.out, self.overwrite = out, overwrite
 
     def __enter__(self) -> Path:
+        if self.out.exists() and not self.out.is_dir():
+            raise CheckpointError(f"{self.out}: is a file, expected a directory; choose another output path")
         if self.out.exists() and not self.overwrite:
             raise CheckpointError(f"{self.out}: already exists (pass --force to overwrite)")
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,6 +391,12 @@ class _AtomicDir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            # Every writer (safetensors, torch.save, tokenizers, onnx) words a full disk its own
+            # way; say it once, naming the directory that was not published.
+            if isinstance(exc, Exception) and not isinstance(exc, GPTForgeError):
+                code = disk_full_errno(exc)
+                if code is not None:
+                    raise disk_full_error(self.out, code) from None
             return
         _umask_modes(self.tmp)
         publish_dir(self.tmp, self.out)  # fsync, then rename; `out` always names one complete copy

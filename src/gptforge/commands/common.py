@@ -56,6 +56,8 @@ def load_model_and_tokenizer(args: argparse.Namespace, cfg: Config, device=None)
 
 
 def ensure_out_dir(path: str | os.PathLike, force: bool) -> None:
-    """Refuse to overwrite an existing non-empty output directory unless --force."""
+    """Refuse to overwrite an existing non-empty output directory unless --force, and a file always."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path}: is a file, expected a directory; choose another --out")
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not force:
         raise UsageError(f"{path}: already exists; choose another --out or pass --force")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gptforge.commands.common import add_config_args, config_from_args, require_ckpt, select_device
 from gptforge.errors import DataError, UsageError
+from gptforge.fsguard import check_path_kind, disk_full_guard
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,13 +45,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not p:
             raise UsageError(f"--prompt number {i + 1} is empty; give some text")
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise DataError(f"{path}: prompt file not found")
+        path = check_path_kind(args.prompt_file, "file", "--prompt-file")
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not lines:
+            raise DataError(f"{path}: empty; give one prompt per line")
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 raise DataError(f"{path}:{n}: empty prompt line; remove blank lines (one prompt per line)")
@@ -65,7 +66,7 @@ def _write_json(path: str, payload: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with disk_full_guard(out), os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2, ensure_ascii=False)
         os.replace(tmp, out)
     except BaseException:

@@ -263,7 +263,7 @@ def read_state(path: Path, fingerprint: dict) -> dict | None:
         return None
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
         raise UsageError(f"{path}: unreadable analysis state ({e}); delete it or pass --no-resume") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise UsageError(f"{path}: not a gptforge analysis state file; choose another --out or pass --no-resume")

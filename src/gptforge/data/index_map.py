@@ -207,7 +207,7 @@ def _load_cached(base: Path, want: dict, n_split_docs: int, seq_len: int, epochs
     try:
         doc_idx, sample_idx, shuffle_idx = (np.load(paths[k], allow_pickle=False, mmap_mode="r")
                                             for k in ("doc", "sample", "shuffle"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # a damaged cache is rebuilt (EOFError: an empty file)
         return None
     tpe = want["tokens_per_epoch"]
     ok = (len(doc_idx) == epochs * n_split_docs and sample_idx.ndim == 2

@@ -56,9 +56,11 @@ def find_prefix(input_dir: str | os.PathLike) -> Path:
             print(f"gptforge: {p} holds {len(found)} datasets; using the first, {found[0]!r} "
                   "(the reference reads only one; name a prefix to choose)", file=sys.stderr)
         return p / found[0]
+    what = "is a file, expected a directory" if Path(input_dir).is_file() else "not found"
     raise DataError(
-        f"{input_dir}: not found; Data.*.dataset.input_dir must be a directory holding <prefix>_idx.npz, "
-        "a prefix of <prefix>_ids.npy + <prefix>_idx.npz, or 'builtin'"
+        f"{input_dir}: {what}; Data.*.dataset.input_dir must be a directory holding <prefix>_idx.npz, "
+        "a prefix of <prefix>_ids.npy + <prefix>_idx.npz, or 'builtin' (text files need "
+        "`gptforge preprocess` first)"
     )
 
 

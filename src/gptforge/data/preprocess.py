@@ -37,6 +37,7 @@ import numpy as np
 from gptforge.data.indexed import IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX, ids_dtype, strip_suffix
 from gptforge.durable import fsync_path
 from gptforge.errors import DataError
+from gptforge.fsguard import disk_full_errno, disk_full_error
 from gptforge.run_lock import lock_prefix, path_writer_alive
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -463,6 +464,9 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
         done = True
         return stats
     except OSError as e:  # disk full, permissions: one line, nothing left behind (below)
+        code = disk_full_errno(e)
+        if code is not None:
+            raise disk_full_error(f"{prefix}{IDS_SUFFIX} + {IDX_SUFFIX}", code) from None
         raise DataError(f"{prefix}: cannot write the output ({e.strerror or e})") from None
     finally:
         bar.close()

@@ -8,7 +8,6 @@ its tokenizer files, so later verbs find it without a flag.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -18,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gptforge.errors import DataError
+from gptforge.fsguard import disk_full_errno
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -87,9 +87,13 @@ class Tokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(out / TOKENIZER_FILE))
-        # vocab.json + merges.txt for tools that want them; non-BPE models have none.
-        with contextlib.suppress(Exception):
+        # vocab.json + merges.txt for tools that want them; non-BPE models have none. A full disk
+        # is not "none": it must fail the save, or a truncated vocab.json would be published.
+        try:
             self.backend.model.save(str(out))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            if disk_full_errno(e) is not None:
+                raise
         (out / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "GPT2Tokenizer",
             "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gptforge.errors import ConfigError
+from gptforge.fsguard import disk_full_guard
 
 # Rows projected onto the vocabulary at once: bounds the [rows, V] fp32 buffer (~200 MB at
 # V=50304) when every position is scored (WikiText with stride = window).
@@ -222,14 +223,19 @@ def write_atomic(path: str | os.PathLike, write) -> Path:
     from gptforge.durable import fsync_path
 
     p = Path(path)
+    if p.is_dir():
+        from gptforge.errors import UsageError
+
+        raise UsageError(f"{p}: is a directory, expected a file to write; name a file")
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
     os.close(fd)
     try:
-        write(tmp)
-        fsync_path(tmp)  # durable before it is published: a power loss leaves the old file or the new
-        os.replace(tmp, p)
-        fsync_path(p.parent)
+        with disk_full_guard(p):
+            write(tmp)
+            fsync_path(tmp)  # durable before it is published: a power loss leaves the old file or the new
+            os.replace(tmp, p)
+            fsync_path(p.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -254,8 +260,10 @@ def read_text(path: str | os.PathLike) -> str:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: file not found (evaluation data is never downloaded; give your own file)")
+    if p.is_dir():
+        raise DataError(f"{p}: is a directory, expected a file")
     if not p.is_file():
-        raise DataError(f"{p}: not a file")
+        raise DataError(f"{p}: not a regular file")
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")

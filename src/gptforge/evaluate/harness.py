@@ -15,10 +15,10 @@ offline switches are set before lm-eval and `datasets` are imported.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from gptforge.errors import UsageError
+from gptforge.fsguard import check_path_kind
 
 MODEL_NAME = "gptforge"  # name registered with lm-eval's model registry
 _CLASS: type | None = None
@@ -56,8 +56,8 @@ def task_manager(include_path: str | os.PathLike | None = None, builtin_tasks: b
     _import_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    if include_path is not None and not Path(include_path).is_dir():
-        raise UsageError(f"--include-path {include_path}: not a directory of task YAML files")
+    if include_path is not None:
+        check_path_kind(include_path, "dir", "--include-path", UsageError, "give a directory of task YAML files")
     if include_path is None and not builtin_tasks:
         builtin_tasks = True
     return TaskManager(include_path=str(include_path) if include_path else None, include_defaults=builtin_tasks)

@@ -26,6 +26,7 @@ from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
 from gptforge.generate.backend import as_backend
 from gptforge.generate.beam import beam_search
+from gptforge.generate.memory import check_decode_fits
 from gptforge.generate.processors import LogitsProcessor, build_processors, build_warpers
 from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
 
@@ -144,6 +145,7 @@ def generate_ids(model, prompt_ids: Sequence[Sequence[int]], config: GenerationC
     eos, pad = special_ids(cfg, eos_token_id)
     with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
         ids = fit_prompts(prompt_ids, cfg.max_dec_len, be.max_positions, be.vocab_size, truncate_prompt)
+        check_decode_fits(be, cfg, len(ids), max(map(len, ids), default=1), vocab_limit)
         out = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, vocab_limit, processors)
         return out if isinstance(out, SearchOutput) else out.run()
 
@@ -193,6 +195,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationC
     bs = batch_size or len(ids)
     t0 = time.perf_counter()
     with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+        check_decode_fits(be, cfg, min(bs, len(ids)), max(map(len, ids), default=1), limit)
         starts = range(0, len(ids), bs)
         if progress:
             from tqdm import tqdm

@@ -228,7 +228,8 @@ def read_pdparams(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Arrays of a `paddle.save(state_dict)` file, without paddle, executing no pickled code."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: .pdparams file not found")
+        what = "is a directory, expected a file" if path.is_dir() else "not found"
+        raise CheckpointError(f"{path}: .pdparams file {what}")
     try:
         with open(path, "rb") as f:
             obj = _ArrayOnlyUnpickler(f, str(path)).load()

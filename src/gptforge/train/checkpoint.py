@@ -40,7 +40,7 @@ from torch import nn
 
 from gptforge.durable import recover_aside
 from gptforge.errors import CheckpointError, ConfigError
-from gptforge.model_io import WEIGHTS_FILE, atomic_dir, write_model_files
+from gptforge.model_io import WEIGHTS_FILE, atomic_dir, check_dtypes, write_model_files
 from gptforge.run_lock import path_writer_alive
 
 STATE_FILE = "training_state.pt"
@@ -119,6 +119,8 @@ def resolve_resume_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: resume checkpoint not found")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: is a file, expected a directory (a step_N checkpoint or its run directory)")
     if is_complete(p):
         return p
     latest = latest_checkpoint(p) if p.is_dir() else None
@@ -237,7 +239,7 @@ def read_meta(path: str | Path) -> dict:
     f = Path(path) / META_FILE
     try:
         return json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
         raise CheckpointError(f"{f}: unreadable ({e})") from None
 
 
@@ -267,6 +269,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
         if tuple(t.shape) != tuple(sd[k].shape):
             raise CheckpointError(f"{f}: tensor {k} has shape {tuple(sd[k].shape)} but the model expects "
                                   f"{tuple(t.shape)}")
+    check_dtypes(expected, sd, str(f))
     model.load_state_dict(sd, strict=True)
 
 
