@@ -477,6 +477,10 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("weight_bits", "activation_bits"):
         if not 2 <= getattr(q, key) <= 16:
             raise ConfigError(f"Compress.Quantization.{key}: must be in [2, 16], got {getattr(q, key)}")
+    oe = cfg.Offline_Eval
+    if oe.lambada_split not in ("reference", "lm_eval"):
+        raise ConfigError(f"Offline_Eval.lambada_split: must be reference or lm_eval, got {oe.lambada_split!r}"
+                          f"{_suggest(oe.lambada_split, ('reference', 'lm_eval'), '')}")
     p = cfg.Compress.Prune
     if not 0.0 <= p.ratio < 1.0:
         raise ConfigError(f"Compress.Prune.ratio: must be in [0, 1), got {p.ratio}")
