@@ -133,7 +133,8 @@ def test_lambada_split_rules_score_their_own_targets(setup, hf_model, tmp_path):
     for rule, r in res.items():
         examples = r["examples"]
         ctxs, tgts = encode_examples(tok, read_lambada(f, rule), rule)
-        for c, t, e in zip(ctxs, tgts, examples, strict=True):
+        # the plain passages agree between the rules and test_lambada_matches_hf checks them
+        for c, t, e in list(zip(ctxs, tgts, examples, strict=True))[n_plain - 2:]:
             ids = torch.tensor([c + t])
             with torch.no_grad():
                 logp = F.log_softmax(hf_model(ids).logits[0, len(c) - 1:-1].double(), -1)
