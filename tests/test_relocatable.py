@@ -152,6 +152,14 @@ def test_copied_directories_give_the_same_outputs_from_another_directory(made, t
         third = tmp_path / "third"
         decoy_tokenizer().save(third / "runs" / "tok")
         got = outputs(third, moved)
+        # a copied run resumes next to its checkpoint (its data named again: the old tree is gone)
+        data = moved / "runs" / "data" / "corpus"
+        with cwd(third):
+            ok("pretrain", "--ckpt", moved / KINDS["float"], "-o", "Engine.max_steps=6", "-o",
+               "Engine.save_load.save_steps=2", "-o", f"Data.Train.dataset.input_dir={data}",
+               "-o", f"Data.Eval.dataset.input_dir={data}", "--no-progress")
+        assert (moved / "runs" / "float" / "step_6" / "model.safetensors").is_file()
+        assert not (third / "runs" / "float").exists() and not (hidden / "runs" / "float" / "step_6").exists()
     finally:
         os.rename(hidden, start)
     assert got == expected
@@ -185,7 +193,9 @@ def test_an_older_directory_with_relative_paths_uses_its_own_tokenizer(made, tmp
         from gptforge.config import load_config
 
         cfg = load_config(ckpt_dir=step)
-        assert cfg.Data.tokenizer is None and cfg.Engine.save_load.output_dir == "./output"
+        # a step's run directory is the one it is in now
+        assert cfg.Data.tokenizer is None and cfg.Engine.save_load.output_dir == str(step.parent)
+        assert cfg.Data.Train.dataset.input_dir == "./data/"  # the default, not runs/data/corpus
         # a -o still chooses, as with any checkpoint
         cfg = load_config(overrides=["Data.tokenizer=runs/tok"], ckpt_dir=step)
         assert cfg.Data.tokenizer == "runs/tok"
@@ -215,3 +225,17 @@ def test_the_demo_recipes_store_absolute_paths(tmp_path):
         assert raw["Data"]["tokenizer"] == str(tmp_path / "runs" / "demo" / "tokenizer")
         assert raw["Data"]["Train"]["dataset"]["input_dir"] == str(tmp_path / "runs" / "demo" / "data" / "builtin")
         assert os.path.isabs(raw["Engine"]["save_load"]["output_dir"])
+
+
+def test_a_recorded_resume_source_does_not_block_a_later_ckpt(made, tmp_path):
+    """A run launched with Engine.save_load.ckpt_dir records it; loading its checkpoint must
+    not inherit it (it made `pretrain --ckpt` of the newer step a conflict)."""
+    start, _ = made
+    step = tmp_path / "run" / "step_4"
+    shutil.copytree(start / KINDS["float"], step)
+    raw = yaml.safe_load((step / "config.yaml").read_text())
+    raw["Engine"]["save_load"]["ckpt_dir"] = str(start / "runs" / "float" / "step_2")
+    (step / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    from gptforge.config import load_config
+
+    assert load_config(ckpt_dir=step).Engine.save_load.ckpt_dir is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -573,6 +574,9 @@ def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -
     - Relative paths (written by gptforge before configs stored them absolute) are relative to
       the working directory of a run long gone; reading them against today's would pick the
       wrong files or none.
+    - A training step checkpoint (`DIR/step_N`) lives in its run's output directory, so
+      `Engine.save_load.output_dir` is DIR, where the directory is now: a resumed run
+      continues next to its checkpoint, wherever the run directory was copied.
     """
     from gptforge.model_io import has_tokenizer_files, resolve_checkpoint_path
 
@@ -583,6 +587,9 @@ def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -
         if v is not None:
             legacy[key] = v
             raw = _with(raw, key, None, drop=True)
+    if p.is_dir() and re.fullmatch(r"step_\d+", p.name) and _get(raw, "Engine") is not None:
+        raw = _with(raw, "Engine.save_load.output_dir", os.path.abspath(p.parent))
+        legacy.pop("Engine.save_load.output_dir", None)
     if _get(raw, "Data.tokenizer") is not None and p.is_dir() and has_tokenizer_files(p):
         raw = _with(raw, "Data.tokenizer", None, drop=True)
     if "Data.tokenizer" in legacy and p.is_dir() and has_tokenizer_files(p):
@@ -610,11 +617,14 @@ def _report_legacy_paths(raw: dict[str, Any], legacy: dict[str, str], ckpt_dir) 
 def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config without the values its launch derived from the world size
     (Distributed.dp_degree, Global.local_batch_size): resuming at another world size derives
-    them again from the global batch."""
+    them again from the global batch. Engine.save_load.ckpt_dir (the checkpoint that launch
+    resumed from) goes too: it would make every later `--ckpt` of this directory a conflict."""
     out = dict(raw)
     for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size")):
         if isinstance(out.get(section), dict) and key in out[section]:
             out[section] = {k: v for k, v in out[section].items() if k != key}
+    if _get(out, "Engine.save_load.ckpt_dir") is not None:
+        out = _with(out, "Engine.save_load.ckpt_dir", None, drop=True)
     return out
 
 
