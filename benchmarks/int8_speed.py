@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/int8_speed.py                 # 345M, prompt 32, 32 new tokens
     .venv/bin/python benchmarks/int8_speed.py --threads 1 --preset 124M
+    .venv/bin/python benchmarks/int8_speed.py --kernel-choice   # split vs plain (and ORT) only
 
 Random weights (the reference's init), activation scales calibrated PTQ-style on one random
 batch, every block Linear quantized (int8 per-channel weights, static int8 activations, PACT)
@@ -12,12 +13,18 @@ and the faster of the two is the reference for the ratio. The models decode in i
 rounds (fp32 packed, fp32 plain, int8, repeated) so that load from other processes hits all. Reported: median per-token decode
 time after the prompt, prompt (prefill) time, state-dict bytes, and the INT8 model's logits
 against the fake-quant model it came from (SQNR, greedy agreement).
+
+`--kernel-choice`: the INT8 paths `compress/cpu_kernels.py` chooses between, each forced, on one
+Linear: fbgemm `split` vs `plain` and onnxruntime's fused GEMM per storage vs the unfused QDQ
+graph: time, error against exact int8 arithmetic, what the probes say, and what `auto` picks,
+with the CPU (model, flags) and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +89,7 @@ def kernel_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128)) -> None:
         + lin.bias,
         "torch._weight_int8pack_mm": lambda x: torch.ops.aten._weight_int8pack_mm(x, ours.weight, ours.weight_scale)
         + lin.bias,
-        "gptforge Int8Linear (fbgemm, split rows)": lambda x: ours(x),
+        "gptforge Int8Linear (fbgemm, auto path)": lambda x: ours(x),
     }
     try:
         from torchao.quantization import (
@@ -115,6 +122,91 @@ def kernel_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128)) -> None:
         print(f"| {name} | " + " | ".join(cells) + f" | {err} |")
 
 
+def kernel_choice_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128), rounds: int = 3) -> None:
+    """Each INT8 path forced on one Linear K -> N: median ms per call (best of `rounds`
+    interleaved rounds, so that load from other processes hits every path alike) and error
+    against exact int8 arithmetic of the same integers."""
+    import torch.nn.functional as F
+
+    from gptforge.compress import cpu_kernels
+    from gptforge.compress.int8 import Int8Linear, set_kernel
+    from gptforge.compress.quant import QuantLinear
+    from gptforge.config.schema import QuantizationConfig
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(K, N, bias=False)
+    fq = QuantLinear.from_linear(lin, QuantizationConfig(enable=True, activation_quantize_type="abs_max")).eval()
+    w_deq = Int8Linear.from_quant(fq).dequantized_weight().double()
+    g = torch.Generator().manual_seed(1)
+    inputs = {"randn": torch.randn(8, K, generator=g),
+              "full-range": (torch.randint(-127, 128, (8, K), generator=g).float() + 0.3)}  # every byte used
+    timing = {m: torch.randn(m, K, generator=g) for m in rows}
+    load0 = os.getloadavg()
+
+    def error(y: torch.Tensor, x: torch.Tensor) -> str:
+        exact = F.linear(fq.quantize_input(x).double(), w_deq)
+        return f"{float((y.double() - exact).abs().max() / exact.abs().max()):.1e}"
+
+    paths: dict[str, tuple[str, object]] = {"fp32 F.linear (the float peer)": ("(float)", lambda x: F.linear(x, lin.weight))}
+    fb_exact = cpu_kernels.fbgemm_plain_is_exact()
+    for kernel in ("split", "plain"):
+        mod = set_kernel(Int8Linear.from_quant(fq), kernel)
+        exact = "yes" if kernel == "split" else {True: "yes", False: "no", None: "n/a"}[fb_exact]
+        paths[f"fbgemm `{kernel}` (Int8Linear)"] = (exact, mod)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        ort = None
+        print("(onnxruntime not installed: its kernels not measured)")
+    if ort is not None:
+        ref = Int8Linear.from_quant(fq)
+        w_int, ws = ref.weight.numpy().T.copy(), ref.weight_scale.numpy()
+
+        def ort_path(dtype: str, fused: bool):
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.intra_op_num_threads = torch.get_num_threads()
+            if not fused:
+                so.add_session_config_entry("session.disable_quant_qdq", "1")
+            sessions = {}
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                step = max(float(x.abs().max()) / 127, 1e-12)  # abs_max activations, as the layer
+                if step not in sessions:
+                    sessions[step] = ort.InferenceSession(cpu_kernels.one_linear_qdq_graph(w_int, ws, step, dtype),
+                                                          so, providers=["CPUExecutionProvider"])
+                return torch.from_numpy(sessions[step].run(None, {"x": x.numpy()})[0])
+            return run
+
+        for dtype in ("uint8", "int8"):
+            for fused in (True, False):
+                exact = "yes" if not fused or cpu_kernels.ort_gemm_is_exact(dtype) else "no"
+                paths[f"onnxruntime {dtype} storage, {'fused' if fused else 'unfused'}"] = (exact, ort_path(dtype, fused))
+
+    best: dict[tuple[str, int], float] = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # forcing plain where it saturates warns
+        for _ in range(rounds):
+            for name, (_, f) in paths.items():
+                for m, x in timing.items():
+                    t = _median_ms(lambda f=f, x=x: f(x), 10 if m > 8 else 30)
+                    best[name, m] = min(best.get((name, m), t), t)
+        errors = {name: [error(f(x), x) if exact != "(float)" else "-" for x in inputs.values()]
+                  for name, (exact, f) in paths.items()}
+    load1 = os.getloadavg()
+    print(f"\nmachine: {cpu_kernels.describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"load average before {load0[0]:.2f} / after {load1[0]:.2f} (1 min)")
+    print(f"auto picks: fbgemm {cpu_kernels.fbgemm_kernel()}; onnxruntime " + ", ".join(
+        f"{d} storage {cpu_kernels.ort_int8_gemm(d)}" for d in cpu_kernels.ort_probes()))
+    print(f"\nOne Linear {K} -> {N}, each path forced: median ms per call (best of {rounds} interleaved rounds); "
+          "error = max |y - exact| / max |exact| against exact int8 arithmetic of the same integers")
+    print("| path | exact (probe) | " + " | ".join(f"rows {m}" for m in rows) + " | error randn | error full-range |")
+    print("|---|---|" + "---:|" * (len(rows) + 2))
+    for name, (exact, _) in paths.items():
+        print(f"| {name} | {exact} | " + " | ".join(f"{best[name, m]:.3f}" for m in rows) + " | "
+              + " | ".join(errors[name]) + " |")
+
+
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     import math
 
@@ -139,11 +231,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved decode rounds; each model's best median is kept")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the one-Linear table of INT8 options")
+    ap.add_argument("--kernel-choice", action="store_true",
+                    help="only the forced INT8 paths (fbgemm split/plain, onnxruntime fused/unfused) on one Linear")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel_choice:
+        kernel_choice_table()
+        return 0
 
+    from gptforge.compress.cpu_kernels import describe
     from gptforge.compress.int8 import convert_model, fast_kernel_available
     from gptforge.compress.int8_convert import compare_logits, state_bytes
     from gptforge.compress.ptq import calibrate
@@ -152,7 +250,8 @@ def main() -> int:
     from gptforge.config.schema import QuantizationConfig
     from gptforge.model import build_model
 
-    print(f"machine: {cpu_name()}; torch {torch.__version__}; fbgemm int8 kernel: {fast_kernel_available()}")
+    print(f"machine: {cpu_name()}; torch {torch.__version__}; fbgemm int8 kernel: {fast_kernel_available()}; "
+          f"{describe()}; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     cfg = load_config(overrides=[f"Model.preset={args.preset}", "Model.hidden_dropout_prob=0",
                                  "Model.attention_probs_dropout_prob=0"])
     torch.manual_seed(0)

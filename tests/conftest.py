@@ -19,6 +19,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _automatic_kernel_choice(monkeypatch):
+    """Tests see the automatic INT8 kernel choice even when the user's shell forces one (a forced
+    inexact path would fail unrelated tests); tests of the forcing set the variables themselves."""
+    for var in ("GPTFORGE_INT8_KERNEL", "GPTFORGE_ORT_INT8_GEMM"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture
 def run_cli(capsys):
     """Run `gptforge ...` in-process; returns (exit code, stdout, stderr)."""

@@ -10,7 +10,7 @@ import pytest
 from gptforge.config import load_config
 from gptforge.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "gptforge" / "recipes"
 
 # The reference's ppfleetx-era 345M recipe (Engine layout, old `use_pure_fp16` key), verbatim shape.
 REFERENCE_PPFLEETX = """
@@ -254,14 +254,17 @@ def test_missing_config_file_names_the_file(tmp_path, run_cli):
     assert code == 2 and f"{tmp_path / 'nope.yaml'}: config file not found" in err
 
 
-def test_config_show_prints_resolved_yaml(run_cli):
+def test_config_show_prints_given_yaml_with_derived_comments(run_cli):
     import yaml
 
     code, out, _ = run_cli("config", "show", "-c", CONFIGS / "pretrain_gpt_345M_single_card.yaml",
                            "-o", "Engine.max_steps=10")
     assert code == 0
     data = yaml.safe_load(out)
-    assert data["Engine"]["max_steps"] == 10 and data["Model"]["ffn_hidden_size"] == 4096
+    assert data["Engine"]["max_steps"] == 10 and data["Model"]["ffn_hidden_size"] is None
+    assert "  ffn_hidden_size:  # derived: 4096" in out.splitlines()
+    code, out, _ = run_cli("config", "show", "--resolved", "-c", "pretrain_gpt_345M_single_card")
+    assert code == 0 and yaml.safe_load(out)["Model"]["ffn_hidden_size"] == 4096
 
 
 def test_config_keys_lists_every_section(run_cli):

@@ -1,5 +1,6 @@
 """ONNX and torch.export step programs: fp32 parity through the KV cache, INT8 QDQ with the
-learned scales and onnxruntime's int8 GEMMs, `.pt2` reload, and the INT8 kernel choice."""
+learned scales and onnxruntime's int8 GEMMs, `.pt2` reload, and the INT8 kernel choice (each
+branch forced, the automatic one exact on the running CPU)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_fp32_onnx_equals_pytorch_through_the_kv_cache(fp32):
 
 
 @torch.no_grad()
-def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, tmp_path):
+def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, tmp_path, monkeypatch):
     from onnx import numpy_helper
 
     from gptforge.compress.quant import quant_modules
@@ -75,7 +76,7 @@ def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, t
     w = inits["model.blocks.0.linear1.weight"]
     assert w.dtype == np.uint8 and w.shape == (64, 256) and w.min() >= 1  # int8 ±127 stored + 128
 
-    # onnxruntime fuses the QDQ MatMuls into int8 GEMMs (exact u8 kernels on every CPU)
+    # onnxruntime's graph optimizer fuses the QDQ MatMuls into int8 GEMMs (the kernel is chosen later)
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     so.log_severity_level = 3
@@ -83,8 +84,12 @@ def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, t
     fused = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     assert fused.count("MatMulIntegerToFloat") == 8
 
+    from gptforge.compress.cpu_kernels import ORT_GEMM_ENV, ort_gemm_is_exact
+
+    monkeypatch.delenv(ORT_GEMM_ENV, raising=False)
     run, meta, mode = _session(out)
-    assert meta["precision"] == "int8" and meta["qdq_dtype"] == "uint8" and mode == "on"
+    assert meta["precision"] == "int8" and meta["qdq_dtype"] == "uint8"
+    assert mode == ("on" if ort_gemm_is_exact("uint8") else "off")  # the automatic choice
     ids = _batch(rows=8, T=48)
     got = teacher_forced_logits(run, meta["layer_heads"], meta["head_dim"], ids, prompt_len=40)
     want = fq(ids).logits  # the fake-quant PyTorch model
@@ -113,49 +118,95 @@ def test_qdq_module_equals_the_fake_quant_model_in_both_encodings():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _one_linear_graph(w_int: np.ndarray, w_step: np.ndarray, x_step: float, dtype: str) -> bytes:
-    """x -> Q -> DQ -> MatMul(DQ(W)) for one [K, N] weight, in the given integer encoding."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    np_dtype, zero = (np.uint8, 128) if dtype == "uint8" else (np.int8, 0)
-    K, N = w_int.shape
-    inits = [numpy_helper.from_array((w_int.astype(np.int16) + zero).astype(np_dtype), "W"),
-             numpy_helper.from_array(w_step, "ws"), numpy_helper.from_array(np.full(N, zero, np_dtype), "wz"),
-             numpy_helper.from_array(np.array(x_step, np.float32), "s"),
-             numpy_helper.from_array(np.array(zero, np_dtype), "z")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["W", "ws", "wz"], ["wd"], axis=1),
-             helper.make_node("MatMul", ["xd", "wd"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["r", K])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r", N])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
-
-
-def test_int8_gemm_choice_uint8_is_exact_int8_saturates_without_vnni():
-    """Why INT8 exports store uint8: onnxruntime's u8 GEMM is exact here, its s8 GEMM is exact
-    only with VNNI (docs/export.md); `auto` follows that."""
-    from gptforge.export.ort_generate import int8_gemm_mode, s8_gemm_is_exact
+def _one_linear_error(tmp_path, dtype: str, int8_gemm: str, wmax: int = 127) -> tuple[float, str]:
+    """(largest error / largest output against exact int8 arithmetic, the mode used) of one
+    Linear with weights in ±wmax and full-range activations in onnxruntime, stored as `dtype`,
+    through `make_session`."""
+    from gptforge.compress.cpu_kernels import one_linear_qdq_graph
+    from gptforge.export.ort_generate import make_session
 
     rng = np.random.default_rng(0)
-    w = rng.integers(-127, 128, (256, 64)).astype(np.int8)
+    w = rng.integers(-wmax, wmax + 1, (256, 64)).astype(np.int8)
     ws, step = (rng.random(64).astype(np.float32) * 0.01 + 0.001), 0.05
     xq = rng.integers(-127, 128, (8, 256)).astype(np.float64)  # full-range activations, away from rounding ties
     x = ((xq + rng.uniform(-0.4, 0.4, xq.shape)) * step).astype(np.float32)
     exact = (xq @ w.astype(np.float64)) * step * ws
-    errors = {}
-    for dtype in ("uint8", "int8"):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(_one_linear_graph(w, ws, step, dtype), so, providers=["CPUExecutionProvider"])
-        errors[dtype] = float(np.abs(sess.run(None, {"x": x})[0] - exact).max() / np.abs(exact).max())
-    assert errors["uint8"] < 1e-5
-    if not s8_gemm_is_exact():
-        assert errors["int8"] > 1e-2  # saturating int16 pair sums (AVX2 without VNNI)
+    path = tmp_path / f"{dtype}.onnx"
+    path.write_bytes(one_linear_qdq_graph(w, ws, step, dtype))
+    sess, mode = make_session(path, {"precision": "int8", "qdq_dtype": dtype}, int8_gemm=int8_gemm)
+    return float(np.abs(sess.run(None, {"x": x})[0] - exact).max() / np.abs(exact).max()), mode
+
+
+@pytest.fixture
+def no_forced_gemm(monkeypatch):
+    from gptforge.compress.cpu_kernels import ORT_GEMM_ENV
+
+    monkeypatch.delenv(ORT_GEMM_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("no_forced_gemm")
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("int8_gemm", ["on", "off"])
+def test_forced_int8_gemm_is_exact_unfused_and_fused_iff_the_probe_says_so(tmp_path, dtype, int8_gemm):
+    from gptforge.compress.cpu_kernels import ort_gemm_is_exact
+
+    err, mode = _one_linear_error(tmp_path, dtype, int8_gemm)
+    assert mode == int8_gemm
+    if int8_gemm == "off" or ort_gemm_is_exact(dtype):
+        assert err < 1e-5, err
+    else:  # the fused kernel of this storage saturates here (int16 pair sums): far off, not rounding
+        assert err > 1e-2, err
+
+
+@pytest.mark.usefixtures("no_forced_gemm")
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_automatic_int8_gemm_is_exact_on_this_cpu(tmp_path, dtype):
+    from gptforge.compress.cpu_kernels import ort_gemm_is_exact
+
+    err, mode = _one_linear_error(tmp_path, dtype, "auto")
+    assert err < 1e-5 and mode == ("on" if ort_gemm_is_exact(dtype) else "off")
+
+
+@pytest.mark.usefixtures("no_forced_gemm")
+def test_a_cpu_where_the_s8_kernel_is_exact_fuses_int8_storage(tmp_path, monkeypatch):
+    """The VNNI branch on any CPU: weights in ±7 cannot overflow int16 pair sums (2 x 255 x 7),
+    so the fused s8 kernel is exact here too; a probe saying 'exact' must fuse it."""
+    from gptforge.compress import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "ort_gemm_is_exact", lambda d: True)
+    err, mode = _one_linear_error(tmp_path, "int8", "auto", wmax=7)
+    assert mode == "on" and err < 1e-5, err
+
+
+def test_int8_gemm_and_storage_choice_follow_the_probe_and_can_be_forced(monkeypatch):
+    from gptforge.compress import cpu_kernels
+    from gptforge.errors import UsageError
+    from gptforge.export.ort_generate import int8_gemm_mode
+    from gptforge.export.qdq import resolve_qdq_dtype
+
+    monkeypatch.delenv(cpu_kernels.ORT_GEMM_ENV, raising=False)
     meta = {"precision": "int8", "qdq_dtype": "int8"}
-    assert int8_gemm_mode(meta) == ("on" if s8_gemm_is_exact() else "off")
-    assert int8_gemm_mode({**meta, "qdq_dtype": "uint8"}) == "on"
-    assert int8_gemm_mode({"precision": "fp32"}) == "n/a" and int8_gemm_mode(meta, "on") == "on"
+    for s8_exact in (True, False):
+        monkeypatch.setattr(cpu_kernels, "ort_gemm_is_exact", lambda d, e=s8_exact: d == "uint8" or e)
+        assert int8_gemm_mode(meta) == ("on" if s8_exact else "off")
+        assert int8_gemm_mode({**meta, "qdq_dtype": "uint8"}) == "on"
+        assert resolve_qdq_dtype("auto") == ("int8" if s8_exact else "uint8")
+        assert resolve_qdq_dtype("uint8") == "uint8" and resolve_qdq_dtype("int8") == "int8"
+        for forced in ("on", "off"):
+            monkeypatch.setenv(cpu_kernels.ORT_GEMM_ENV, forced)
+            assert int8_gemm_mode(meta) == forced and int8_gemm_mode(meta, "auto") == forced
+            assert int8_gemm_mode(meta, "off" if forced == "on" else "on") != forced  # the argument wins
+        monkeypatch.delenv(cpu_kernels.ORT_GEMM_ENV)
+    monkeypatch.setattr(cpu_kernels, "ort_gemm_is_exact", lambda d: False)  # even u8·u8 inexact: unfuse
+    assert int8_gemm_mode({**meta, "qdq_dtype": "uint8"}) == "off"
+    assert int8_gemm_mode({"precision": "fp32"}) == "n/a"
+    with pytest.raises(UsageError, match="--int8-gemm 'yes'"):
+        int8_gemm_mode(meta, "yes")
+    monkeypatch.setenv(cpu_kernels.ORT_GEMM_ENV, "fused")
+    with pytest.raises(UsageError, match="GPTFORGE_ORT_INT8_GEMM='fused'"):
+        int8_gemm_mode(meta)
+    with pytest.raises(UsageError, match="--qdq-dtype 'u8'"):
+        resolve_qdq_dtype("u8")
 
 
 @torch.no_grad()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -17,16 +16,14 @@ from gptforge.model import build_model, reference_param_count
 @pytest.mark.parametrize("preset,billions", [("345M", 0.355), ("1.3B", 1.314), ("6.7B", 6.654),
                                              ("13B", 12.86), ("175B", 174.6)])
 def test_preset_param_counts_on_meta(preset, billions):
-    t0 = time.perf_counter()
     cfg = load_config(overrides=[f"Model.preset={preset}"])
     model = build_model(cfg.Model, device="meta")
-    elapsed = time.perf_counter() - t0
     n = model.num_parameters()
     m = cfg.Model
     assert n == reference_param_count(m.vocab_size, m.max_position_embeddings, m.hidden_size, m.num_layers)
     assert round(n / 1e9, 3 if billions < 10 else 2 if billions < 100 else 1) == billions
-    assert elapsed < 5.0
-    assert model.wte.weight.device.type == "meta"
+    # no storage anywhere: a 175B model is built without allocating its weights
+    assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 
 
 def test_init_follows_reference():

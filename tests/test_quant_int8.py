@@ -1,8 +1,10 @@
-"""The real INT8 model: exact kernels, conversion quality, checkpoints, fallback path, bytes."""
+"""The real INT8 model: exact kernels (each path forced, the automatic choice), conversion quality,
+checkpoints, fallback path, bytes."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -10,12 +12,14 @@ import torch
 from torch import nn
 
 from gf_testutil import tiny_config, tiny_model
+from gptforge.compress import cpu_kernels
 from gptforge.compress import int8 as int8_mod
-from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, fast_kernel_available
+from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, fast_kernel_available, set_kernel
 from gptforge.compress.int8_convert import compare_logits, convert_checkpoint, state_bytes
 from gptforge.compress.ptq import calibrate
 from gptforge.compress.quant import QuantLinear, quantize_model
 from gptforge.config.schema import QuantizationConfig
+from gptforge.errors import ConfigError, UsageError
 from gptforge.model import build_model
 
 fast = pytest.mark.skipif(not fast_kernel_available(), reason="fbgemm int8 kernels need an x86 CPU build")
@@ -49,9 +53,14 @@ def test_int8_linear_equals_the_fake_quant_layer(wtype, atype, pact, bits):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-@fast
-def test_kernel_has_no_int16_saturation():
-    """Byte pairs near 255 x weights near 127 overflow AVX2's int16 pair sums; our split must not."""
+@pytest.fixture(autouse=True)
+def _no_forced_kernel(monkeypatch):
+    monkeypatch.delenv(cpu_kernels.KERNEL_ENV, raising=False)
+
+
+def _saturating_case():
+    """A layer and an input whose byte pairs (255 x 127) overflow int16 pair sums, with the
+    exact int8 arithmetic of the same integers in float64."""
     K, N = 256, 4
     w = torch.full((N, K), 1.0)
     w[1] = -1.0
@@ -64,10 +73,110 @@ def test_kernel_has_no_int16_saturation():
     x[1, ::3] = -3.0
     exact = (np.round(x.numpy() / (3.0 / 127)) @ np.round(w.numpy() / np.abs(w.numpy()).max(1, keepdims=True) * 127).T)
     exact = exact * (3.0 / 127) * (np.abs(w.numpy()).max(1) / 127)
+    return q, x, exact
+
+
+def _plain_call(q, x):
+    """fbgemm's one call with zero point 128, straight from torch.ops (not through our layer)."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 3.0 / 127, 128, q.packed())
+
+
+@fast
+@pytest.mark.parametrize("how", ["argument", "environment"])
+@pytest.mark.parametrize("kernel", ["split", "plain"])
+def test_forced_kernel_runs_that_path_and_is_exact_iff_the_probe_says_so(kernel, how, monkeypatch):
+    q, x, exact = _saturating_case()
+    if how == "argument":
+        monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "split" if kernel == "plain" else "plain")  # the argument wins
+        set_kernel(q, kernel)
+    else:
+        monkeypatch.setenv(cpu_kernels.KERNEL_ENV, kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # forcing plain where it saturates warns
+        got = q(x).numpy()
+    if kernel == "split":  # exact on any CPU
+        np.testing.assert_allclose(got, exact, rtol=1e-6)
+    else:  # the plain call itself, exact exactly where the probe says so
+        np.testing.assert_array_equal(got, _plain_call(q, x).numpy())
+        assert np.allclose(got, exact, rtol=1e-6) == bool(cpu_kernels.fbgemm_plain_is_exact())
+
+
+@fast
+def test_automatic_kernel_is_exact_on_this_cpu():
+    q, x, exact = _saturating_case()
+    assert cpu_kernels.fbgemm_kernel() == ("plain" if cpu_kernels.fbgemm_plain_is_exact() else "split")
     np.testing.assert_allclose(q(x).numpy(), exact, rtol=1e-6)
-    # the plain call (zero point 128) does saturate on this input: the reason for the split
-    plain = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 3.0 / 127, 128, q.packed())
-    assert not np.allclose(plain.numpy(), exact, rtol=1e-3)
+    emb = Int8Embedding.from_embedding(nn.Embedding(300, 256))
+    h = torch.randn(5, 256) * 3
+    step = float(h.abs().max()) / 127
+    q1 = torch.round(h.double() / step)
+    q2 = torch.round((h.double() - q1 * step) * 254 / step)  # the second digit, as the head carries it
+    want = (q1 * step + q2 * step / 254) @ emb.dequantized_weight().double().T
+    torch.testing.assert_close(emb.project(h).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@fast
+def test_head_is_exact_on_the_split_path_and_equal_on_both_where_plain_is_exact():
+    emb = Int8Embedding.from_embedding(nn.Embedding(300, 256))
+    h = torch.randn(5, 256) * 3
+    got = {}
+    for kernel in ("split", "plain"):
+        set_kernel(emb, kernel)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got[kernel] = emb.project(h)
+    want = h.double() @ emb.dequantized_weight().double().T  # ~16-bit activations: close to float
+    torch.testing.assert_close(got["split"].double(), want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    if cpu_kernels.fbgemm_plain_is_exact():
+        torch.testing.assert_close(got["plain"], got["split"], rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
+@fast
+@pytest.mark.parametrize("atype", ["moving_average_abs_max", "abs_max"])
+def test_a_cpu_where_plain_is_exact_gets_plain_and_the_fake_quant_numbers(atype, monkeypatch):
+    """The VNNI branch on any CPU: 4-bit weights (|w| <= 7) cannot overflow int16 pair sums
+    (2 x 255 x 7), so the plain call is exact here too; a probe saying 'exact' must pick it."""
+    monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda: True)
+    calls = []
+    real = cpu_kernels.fbgemm_kernel
+    monkeypatch.setattr(int8_mod, "fbgemm_kernel", lambda k=None: calls.append(real(k)) or calls[-1])
+    fq = _trained_layer(weight_bits=4, activation_quantize_type=atype, activation_preprocess_type="PACT")
+    q = Int8Linear.from_quant(fq)
+    x = torch.randn(3, 7, 96) * 2
+    with torch.no_grad():
+        want, got = fq(x), q(x)
+    assert set(calls) == {"plain"}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    set_kernel(q, "split")
+    torch.testing.assert_close(q(x), got, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert calls[-1] == "split"
+
+
+def test_auto_follows_the_probe_and_the_environment_forces_a_path(monkeypatch):
+    for exact, auto in ((True, "plain"), (False, "split"), (None, "split")):  # None: no fbgemm
+        monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda e=exact: e)
+        assert cpu_kernels.fbgemm_kernel() == auto and cpu_kernels.fbgemm_kernel("auto") == auto
+        for forced in ("split", "plain"):
+            monkeypatch.setenv(cpu_kernels.KERNEL_ENV, forced)
+            assert cpu_kernels.fbgemm_kernel() == forced and cpu_kernels.fbgemm_kernel("auto") == forced
+            other = "plain" if forced == "split" else "split"
+            assert cpu_kernels.fbgemm_kernel(other) == other  # an argument beats the environment
+        monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "Auto ")
+        assert cpu_kernels.fbgemm_kernel() == auto
+        monkeypatch.delenv(cpu_kernels.KERNEL_ENV)
+    monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "fast")
+    with pytest.raises(UsageError, match="GPTFORGE_INT8_KERNEL='fast': choose one of auto, split, plain"):
+        cpu_kernels.fbgemm_kernel()
+    with pytest.raises(ConfigError, match="int8 kernel 'vnni'"):
+        set_kernel(nn.Sequential(), "vnni")
+
+
+def test_cpu_description_names_the_model_flags_and_probe():
+    info = cpu_kernels.cpu_info()
+    assert info["model"] and info["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(info["flags"]) <= set(cpu_kernels.INT8_FLAGS)
+    line = cpu_kernels.describe()
+    assert info["model"] in line and "fbgemm plain u8*s8" in line
 
 
 def test_int8_embedding_lookup_and_two_digit_head():
@@ -134,6 +243,9 @@ def test_converted_checkpoint_loads_evaluates_and_dequantizes(tmp_path):
     save_model_dir(fq, cfg, tmp_path / "qat")
     res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", int8_embedding=True, echo=False)
     assert res.check_data == "random ids" and res.sqnr_db >= 35 and res.int8_layers == 8
+    # the report names the INT8 path its check ran on (the automatic one here) and the CPU
+    auto = f"fbgemm {cpu_kernels.fbgemm_kernel()}" if fast_kernel_available() else "dequantized fp32 (no fbgemm)"
+    assert res.check_kernel == auto and cpu_kernels.cpu_info()["model"] in res.cpu
     loaded, lcfg = load_model(tmp_path / "int8")
     assert lcfg.Compress.Quantization.converted and lcfg.Compress.Quantization.quantize_embedding
     assert isinstance(loaded.blocks[1].attn.qkv_proj, Int8Linear) and isinstance(loaded.wte, Int8Embedding)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gptforge.config.loader import PATH_KEYS, _get
+from gptforge.config.loader import PATH_KEYS, _at
 from test_train_support import small_tokenizer, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,7 +135,7 @@ def test_saved_configs_store_no_relative_path(made):
     for f in configs:
         raw = yaml.safe_load(f.read_text())
         for key, words in PATH_KEYS.items():
-            v = _get(raw, key)
+            v = _at(raw, key)
             assert v is None or v.lower() in words or os.path.isabs(v), (f, key, v)
     # the tokenizer the runs named by a relative path is recorded absolute
     assert yaml.safe_load((start / KINDS["float"] / "config.yaml").read_text())["Data"]["tokenizer"] == \

@@ -31,7 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "infer": ("gptforge.commands.infer", "generate text with an exported ONNX model (onnxruntime)"),
     "convert": ("gptforge.commands.convert", "convert checkpoints: HF GPT-2, PaddleFleetX .pdparams, distributed"),
     "demo": ("gptforge.commands.demo", "the whole life cycle on the built-in corpus, with a report"),
-    "config": ("gptforge.commands.config", "show the resolved config or list every key"),
+    "config": ("gptforge.commands.config", "list the packaged recipes, show a config, list every key"),
 }
 
 
@@ -47,7 +47,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         prog="gptforge",
         description="gptforge: pretrain, generate, evaluate, compress and export GPT models.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run `gptforge <verb> --help` for a verb's options. Docs: docs/<verb>.md",
+        epilog=("Run `gptforge <verb> --help` for a verb's options.\n"
+                "Recipes shipped with gptforge: `gptforge config list`; use one with -c NAME.\n"
+                "Docs: docs/<verb>.md in the gptforge source repository."),
     )
     parser.add_argument("--version", action="version", version=f"gptforge {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=_Parser)

@@ -223,7 +223,7 @@ def _checkpoint_state_dict(p: Path, fmt: str, model_cfg) -> dict[str, torch.Tens
         from safetensors.torch import load_file
 
         if not (p / WEIGHTS_FILE).is_file():
-            from gptforge.train.dist_checkpoint import read_model_tensors
+            from gptforge.dcp_read import read_model_tensors
 
             return read_model_tensors(p)
         try:

@@ -6,17 +6,18 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from gptforge.errors import ConfigError, UsageError
+from gptforge.device import select_device  # noqa: F401 - re-exported for the verbs
+from gptforge.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
     from gptforge.config import Config
 
 
 def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: str | None = None) -> None:
     """`-c FILE`, repeatable `-o Section.key=value`, and (optionally) `--ckpt DIR`."""
-    p.add_argument("-c", "--config", metavar="FILE", help="YAML config (may use _base_ inheritance)")
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML config (may use _base_ inheritance), or the name of "
+                   "a recipe shipped with gptforge (`gptforge config list`)")
     p.add_argument("-o", "--override", metavar="KEY=VALUE", action="append", default=[],
                    help="override a config key, e.g. -o Engine.max_steps=100 (repeatable)")
     if ckpt:
@@ -31,26 +32,9 @@ def config_from_args(args: argparse.Namespace, require: bool = False, world_size
 
     ckpt = getattr(args, "ckpt", None)
     if require and not args.config and not ckpt:
-        raise UsageError("give a config with -c FILE (or a model with --ckpt DIR)")
+        raise UsageError("give a config with -c FILE or -c RECIPE (e.g. -c pretrain_gpt_tiny_cpu; "
+                         "`gptforge config list` shows them), or a model with --ckpt DIR")
     return load_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
-
-
-def select_device(spec: str) -> torch.device:
-    """`Global.device`: auto | cpu | cuda | gpu | cuda:N."""
-    import torch
-
-    s = (spec or "auto").lower()
-    if s == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if s == "gpu":
-        s = "cuda"
-    if s.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"Global.device: {spec!r} requested but no CUDA device is available; use -o Global.device=cpu")
-        return torch.device(s)
-    if s == "cpu":
-        return torch.device("cpu")
-    raise ConfigError(f"Global.device: {spec!r} is not one of auto, cpu, cuda, gpu, cuda:N")
 
 
 def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:

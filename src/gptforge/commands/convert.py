@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     from gptforge.config import DistributedConfig, load_config
     from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.dcp_read import is_distributed_checkpoint
     from gptforge.model_io import load_model, resolve_checkpoint_path, save_hf_dir, save_model_dir
-    from gptforge.train.dist_checkpoint import is_distributed_checkpoint
 
     ensure_out_dir(args.out, args.force)
     src = resolve_checkpoint_path(args.src)

@@ -32,9 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
                         "model's weights (activations stay float)")
-    p.add_argument("--qdq-dtype", default="uint8", choices=("uint8", "int8"),
-                   help="onnx int8: store the integers as uint8 + 128 (default; onnxruntime's exact u8 kernels) or "
-                        "as int8 (the reference's form; inexact fused kernels on AVX2 without VNNI)")
+    p.add_argument("--qdq-dtype", default="uint8", choices=("uint8", "int8", "auto"),
+                   help="onnx int8: store the integers as uint8 + 128 (default; onnxruntime's u8 kernels, exact on "
+                        "every CPU), as int8 (the reference's form; its fused s8 kernels saturate on x86 without "
+                        "VNNI), or auto (int8 where a probe finds this CPU's s8 kernel exact, else uint8)")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="hf: split model.safetensors into shards of at most SIZE (e.g. 500MB; default 5GB)")
     p.add_argument("--no-check", action="store_true", help="onnx/torch: skip the check against the PyTorch model")

@@ -1,7 +1,7 @@
 """`gptforge generate`: generate text from a model (sampling, greedy or beam search).
 
     gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [-o Generation.top_k=50]
-    gptforge generate -c configs/generation_gpt_345M_single_card.yaml --ckpt DIR --prompt-file F --json out.json
+    gptforge generate -c generation_gpt_345M_single_card --ckpt DIR --prompt-file F --json out.json
 
 A single sequence is printed token by token as it is generated; several prompts are decoded in
 left-padded batches and printed when done. `--json` also writes token ids and scores.

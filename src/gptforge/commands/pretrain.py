@@ -1,7 +1,7 @@
 """`gptforge pretrain`: Pretrain or continue training a GPT model.
 
-    gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml -o Engine.max_steps=200
-    gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml --resume auto     # newest checkpoint in output_dir
+    gptforge pretrain -c pretrain_gpt_tiny_cpu -o Engine.max_steps=200
+    gptforge pretrain -c pretrain_gpt_tiny_cpu --resume auto     # newest checkpoint in output_dir
     gptforge pretrain --ckpt output/step_100 -o Engine.max_steps=200          # continue that run
 
 `--ckpt DIR` takes the config and tokenizer from DIR: a training checkpoint (step_N or a run
@@ -11,8 +11,8 @@ run from its weights, like `-o Compress.pretrained=DIR`.
 Several processes (docs/distributed.md): launch the same command under torchrun; the
 `Distributed` section chooses data parallel, FSDP2 sharding and tensor parallel.
 
-    torchrun --nproc_per_node=8 -m gptforge pretrain -c configs/pretrain_gpt_1.3B_single_card.yaml
-    torchrun --nproc_per_node=2 -m gptforge pretrain -c configs/pretrain_gpt_tiny_cpu.yaml -o Distributed.mp_degree=2
+    torchrun --nproc_per_node=8 -m gptforge pretrain -c pretrain_gpt_1.3B_single_card
+    torchrun --nproc_per_node=2 -m gptforge pretrain -c pretrain_gpt_tiny_cpu -o Distributed.mp_degree=2
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`gptforge prune`: structured pruning (heads, FFN neurons) + fine-tuning; 2:4 sparsity.
 
-    gptforge prune -c configs/prune_gpt_345M_single_card.yaml -o Compress.pretrained=DIR
-    gptforge prune -c configs/prune_gpt_mini_cpu.yaml -o Compress.pretrained=runs/mini/step_600
+    gptforge prune -c prune_gpt_345M_single_card -o Compress.pretrained=DIR
+    gptforge prune -c prune_gpt_mini_cpu -o Compress.pretrained=runs/mini/step_600
     gptforge prune --ckpt runs/mini/step_600 --out runs/pruned -o Compress.Prune.ratio=0.25
     gptforge prune -c ... -o Compress.Prune.semi_structured=wanda -o Compress.Prune.ratio=0
     gptforge prune -c ... --resume auto                       # continue an interrupted fine-tune

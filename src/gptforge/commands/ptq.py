@@ -1,6 +1,6 @@
 """`gptforge ptq`: post-training INT8 quantization, the baseline QAT must beat.
 
-    gptforge ptq -c configs/qat_gpt_tiny_cpu.yaml -o Compress.pretrained=runs/tiny/step_400 --out runs/ptq
+    gptforge ptq -c qat_gpt_tiny_cpu -o Compress.pretrained=runs/tiny/step_400 --out runs/ptq
     gptforge ptq --ckpt runs/tiny/step_400 --out runs/ptq -o Compress.Quantization.calib_algo=abs_max
 
 Inserts the fake-quant modules of Compress.Quantization into the float model and calibrates the

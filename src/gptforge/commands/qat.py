@@ -1,8 +1,8 @@
 """`gptforge qat`: INT8 quantization-aware training (spec §8) with the normal trainer.
 
-    gptforge qat -c configs/qat_gpt_345M_single_card.yaml -o Compress.pretrained=DIR
-    gptforge qat -c configs/qat_gpt_tiny_cpu.yaml -o Compress.pretrained=runs/tiny/step_400
-    gptforge qat -c configs/qat_gpt_tiny_cpu.yaml --resume auto      # continue the newest checkpoint
+    gptforge qat -c qat_gpt_345M_single_card -o Compress.pretrained=DIR
+    gptforge qat -c qat_gpt_tiny_cpu -o Compress.pretrained=runs/tiny/step_400
+    gptforge qat -c qat_gpt_tiny_cpu --resume auto      # continue the newest checkpoint
     gptforge qat --ckpt output_qat/step_200 -o Engine.max_steps=400    # continue that run
 
 `--ckpt DIR`: a QAT training checkpoint (step_N, or a run directory) resumes it exactly; any other

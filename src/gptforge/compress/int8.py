@@ -7,14 +7,23 @@ output channel or per tensor), `bias`, `input_scale` (the learned activation ste
 When the fake-quant model quantized the tied word embedding (`quantize_embedding`), or when
 asked, it becomes an `Int8Embedding` (int8 rows + a step per row) serving lookup and LM head.
 
-The kernel. On this CPU (AVX2, no VNNI) fbgemm multiplies unsigned activation bytes by signed
-weight bytes with `vpmaddubsw`, which adds two products into a *saturating* int16: a pair of
-bytes near 255 times weights near 127 overflows, and with the usual zero point of 128 that
-happens all the time (measured: 35-40 dB against exact int8 arithmetic per layer). Values of
-at most 128 cannot overflow (2 x 128 x 127 < 32767). So each activation row q in ±127 goes
-through the GEMM as two rows, max(q, 0) and max(-q, 0), with zero point 0, and the results are
-subtracted: exact integer arithmetic, for twice the rows. Decoding is bound by reading the
-weights, which a second row does not change; long prefills pay twice the (int8) compute.
+The kernel. fbgemm multiplies unsigned activation bytes by signed weight bytes. On x86 CPUs
+without VNNI it uses `vpmaddubsw`, which adds two products into a *saturating* int16: a pair
+of bytes near 255 times weights near 127 overflows, and with the usual zero point of 128 that
+happens all the time (measured on AVX2: 20 dB against exact int8 arithmetic per layer). Values
+of at most 127 cannot overflow (2 x 127 x 127 < 32767). Two paths (`cpu_kernels.py` chooses):
+
+- `split`: each activation row q in ±127 goes through the GEMM as two rows, max(q, 0) and
+  max(-q, 0), with zero point 0, and the results are subtracted: exact integer arithmetic on
+  every CPU, for twice the rows (decoding is bound by reading the weights, which a second row
+  does not change; long prefills pay twice the int8 compute);
+- `plain`: one call with zero point 128, exact only where fbgemm's kernel does not saturate
+  (e.g. AVX-512 VNNI): the same call on half the rows, 1.2x (1 row) to 2x (8+ rows) faster
+  (benchmarks/results/2026-11-23-int8-kernel-choice.md).
+
+`auto` (the default) takes `plain` where a one-time probe of the kernel finds it exact, else
+`split`; `GPTFORGE_INT8_KERNEL=split|plain` or `set_kernel(model, ...)` forces one.
+
 Activations that are not quantized in the fake-quant model (the LM head's input) use two
 int8 digits (x ≈ s·q1 + s/254·q2), i.e. weight-only int8 with ~16-bit activations.
 
@@ -24,15 +33,14 @@ no speed-up.
 
 from __future__ import annotations
 
-import functools
 import math
 import types
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptforge.compress.cpu_kernels import KERNELS, fbgemm_available, fbgemm_kernel, fbgemm_prepack
 from gptforge.compress.quant import (
     EPS,
     QuantEmbedding,
@@ -48,42 +56,18 @@ from gptforge.compress.quant import (
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError
 
-_OP_NAME = "linear_with_input_q_dq_qweight_dq_output_fp32"
 _DIGIT = 254.0  # second-digit scale: the residual of the first digit is within ±step/2
 
 
 def fast_kernel_available() -> bool:
     """fbgemm's int8 linear with fp32 output can run in this process (x86 CPU build)."""
-    return _fast_kernel_available()
-
-
-@functools.lru_cache(maxsize=1)
-def _fast_kernel_available() -> bool:
-    engines = torch.backends.quantized.supported_engines  # ~15 us per query: asked once
-    return hasattr(torch.ops.quantized, _OP_NAME) and ("x86" in engines or "fbgemm" in engines)
-
-
-def _prepack(w_int8: torch.Tensor, scale: torch.Tensor):
-    """fbgemm packed weights (no bias) from int8 values and per-channel / per-tensor steps."""
-    engine = torch.backends.quantized.engine
-    if engine not in ("x86", "fbgemm"):
-        torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
-    try:
-        w = w_int8.detach().cpu().contiguous()
-        s = scale.detach().cpu()
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API, not as fbgemm's input
-            warnings.simplefilter("ignore")
-            if s.numel() == 1:
-                qw = torch._make_per_tensor_quantized_tensor(w, float(s.reshape(())), 0)
-            else:
-                qw = torch._make_per_channel_quantized_tensor(w, s.double(), torch.zeros(s.numel(), dtype=torch.long), 0)
-            return torch.ops.quantized.linear_prepack(qw, None)
-    finally:
-        torch.backends.quantized.engine = engine
+    return fbgemm_available()
 
 
 class _Int8Weights(nn.Module):
     """int8 weight [out, in] + step, with a lazily built fbgemm packing of them."""
+
+    kernel: str | None = None  # fbgemm path: None/auto = $GPTFORGE_INT8_KERNEL, else the probe's choice
 
     def _register_weights(self, out_f: int, in_f: int, n_scales: int, device) -> None:
         self.register_buffer("weight", torch.zeros(out_f, in_f, dtype=torch.int8, device=device))
@@ -97,7 +81,7 @@ class _Int8Weights(nn.Module):
     def packed(self):
         key = (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(), self.weight_scale._version)
         if self._packed is None or key != self._packed_key:
-            self._packed, self._packed_key = _prepack(self.weight, self.weight_scale), key
+            self._packed, self._packed_key = fbgemm_prepack(self.weight, self.weight_scale), key
         return self._packed
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -105,21 +89,34 @@ class _Int8Weights(nn.Module):
         return self.weight.float() * (s[:, None] if s.numel() > 1 else s)
 
     def _matmul_exact(self, rows: torch.Tensor, step: float) -> torch.Tensor:
-        """(round(rows/step) @ W_int^T) · step · s_w, exact, for rows already within ±qmax·step."""
+        """(round(rows/step) @ W_int^T) · step · s_w for rows already within ±qmax·step; exact
+        on the `split` path (and on `plain` where fbgemm does not saturate)."""
+        op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        if fbgemm_kernel(self.kernel) == "plain":
+            return op(rows, step, 128, self.packed())
         m = rows.shape[0]
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.cat([rows, rows.neg()]), step, 0, self.packed())
+        y = op(torch.cat([rows, rows.neg()]), step, 0, self.packed())
         return y[:m] - y[m:]
 
     def _matmul_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """x @ (W_int · s_w)^T with x carried as two int8 digits (≈16-bit activations)."""
         step = max(float(x.detach().abs().amax()) / 127.0, EPS)
         q1 = torch.fake_quantize_per_tensor_affine(x, step, 0, -127, 127)
-        r = (x - q1).mul_(_DIGIT)
+        r = (x - q1).mul_(_DIGIT)  # within ±127 steps: the first digit's residual is within ±step/2
+        y = self._matmul_exact(torch.cat([q1, r]), step)
         m = x.shape[0]
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.cat([q1, q1.neg(), r, r.neg()]), step, 0, self.packed())
-        return (y[:m] - y[m:2 * m]).add_(y[2 * m:3 * m] - y[3 * m:], alpha=1.0 / _DIGIT)
+        return y[:m].add_(y[m:], alpha=1.0 / _DIGIT)
+
+
+def set_kernel(model: nn.Module, kernel: str | None) -> nn.Module:
+    """Force every INT8 layer of `model` onto fbgemm's `split` or `plain` path (None or `auto`:
+    the environment's / the probe's choice, see `cpu_kernels.py`)."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ConfigError(f"int8 kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    for mod in model.modules():
+        if isinstance(mod, _Int8Weights):
+            mod.kernel = kernel
+    return model
 
 
 class Int8Linear(_Int8Weights):

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from gptforge.compress.cpu_kernels import describe, fbgemm_available, fbgemm_kernel
 from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, converted_config
 from gptforge.compress.quant import QuantEmbedding, QuantLinear, quant_modules, reference_name
 from gptforge.errors import ConfigError
@@ -66,6 +67,12 @@ class ConvertResult:
     int8_layers: int
     fake_quant_bytes: int
     int8_bytes: int
+    check_kernel: str = ""  # the INT8 path the check ran on (`cpu_kernels.py`), and the CPU
+    cpu: str = ""
+
+
+def _kernel_name() -> str:
+    return f"fbgemm {fbgemm_kernel()}" if fbgemm_available() else "dequantized fp32 (no fbgemm)"
 
 
 CHECK_ROWS, CHECK_TOKENS = 4, 256  # a sample big enough for the statistics, quick on a 345M model
@@ -127,7 +134,8 @@ def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cf
     out_cfg = dataclasses.replace(cfg, Compress=dataclasses.replace(cfg.Compress, Quantization=qc))
     result = ConvertResult(out_dir=str(out_dir), source=str(path), check_data=data,
                            int8_embedding=isinstance(model.wte, Int8Embedding), float_layers=floats,
-                           int8_layers=n_int8, fake_quant_bytes=fq_bytes, int8_bytes=state_bytes(model), **stats)
+                           int8_layers=n_int8, fake_quant_bytes=fq_bytes, int8_bytes=state_bytes(model),
+                           check_kernel=_kernel_name() if check else "", cpu=describe(onnxruntime=False) if check else "", **stats)
     with atomic_dir(out_dir, overwrite) as tmp:
         write_model_files(model, out_cfg, tmp, tokenizer)
         (tmp / REPORT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")

@@ -129,8 +129,8 @@ def prune_and_finetune(cfg: Config, tokenizer=None, *, resume=None, save_pruned:
     after surgery (before fine-tuning) as a model directory; with `Engine.max_steps: 0` there is
     no fine-tuning and the pruned model goes to `save_pruned` (default `<output_dir>/pruned`).
     """
-    from gptforge.commands.common import select_device
     from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.device import select_device
     from gptforge.model import build_model
     from gptforge.model_io import checkpoint_model_config, resolve_checkpoint_path, save_model_dir
     from gptforge.train import Trainer, load_pretrained

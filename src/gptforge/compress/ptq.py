@@ -90,8 +90,8 @@ def ptq(cfg: Config, out_dir: str | os.PathLike, *, source: str | os.PathLike | 
         overwrite: bool = False, progress: bool = True, echo: bool = True) -> PTQResult:
     """Quantize the float model at `source` (default `Compress.pretrained`) as
     `Compress.Quantization` says, calibrate on `calib_batches` Train batches, save to `out_dir`."""
-    from gptforge.commands.common import select_device
     from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.device import select_device
     from gptforge.model_io import load_model, resolve_checkpoint_path, save_model_dir
 
     src = source or cfg.Compress.pretrained

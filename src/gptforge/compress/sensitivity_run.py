@@ -174,7 +174,7 @@ def run_analysis(cfg: Config, *, qat_ckpt=None, float_ckpt=None, mode: str = "qa
                  plot: bool = True, tokenizer=None, progress: bool = True, echo: bool = True,
                  config_file: str | None = None) -> AnalysisRun:
     """Analyse, write `out_dir`/analysis.{txt,json,png} (+ skip_tensor_map.yaml with `top_k`)."""
-    from gptforge.commands.common import select_device
+    from gptforge.device import select_device
 
     if mode not in sens.MODES:
         raise UsageError(f"--mode {mode!r}: expected one of {', '.join(sens.MODES)}")

@@ -21,7 +21,8 @@ from typing import Any, Union
 import yaml
 
 from gptforge.config.aliases import normalize_path, normalize_raw
-from gptforge.config.schema import Config, ModelConfig
+from gptforge.config.recipes import locate, packaged_fallback
+from gptforge.config.schema import Config, DatasetConfig, ModelConfig
 from gptforge.errors import ConfigError
 
 # Model keys that describe the *shape* of the weights: a checkpoint's values win over a -c file.
@@ -59,11 +60,9 @@ PATH_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _get(raw: dict, key: str) -> Any:
-    node: Any = raw
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
+def _at(raw: dict, key: str) -> Any:
+    """The value at dotted `key` ("Data.tokenizer") of a raw dict, or None."""
+    return _get(raw, *key.split("."))
 
 
 def _with(raw: dict, key: str, value: Any, drop: bool = False) -> dict:
@@ -83,7 +82,7 @@ def _with(raw: dict, key: str, value: Any, drop: bool = False) -> dict:
 
 def _relative_path_value(raw: dict, key: str) -> str | None:
     """The value of path key `key` when it is a relative path (not a keyword, not absolute)."""
-    v = _get(raw, key)
+    v = _at(raw, key)
     if not isinstance(v, str) or not v.strip() or v.strip().lower() in PATH_KEYS[key]:
         return None
     return None if os.path.isabs(os.path.expanduser(v)) else v
@@ -93,7 +92,7 @@ def absolute_paths(raw: dict[str, Any], base: str | os.PathLike | None = None) -
     """`raw` with every relative `PATH_KEYS` value made absolute against `base` (default: the cwd)."""
     base = os.path.abspath(base if base is not None else os.getcwd())
     for key in PATH_KEYS:
-        v = _get(raw, key)
+        v = _at(raw, key)
         if isinstance(v, str) and v.strip() and v.strip().lower() not in PATH_KEYS[key]:
             raw = _with(raw, key, os.path.normpath(os.path.join(base, os.path.expanduser(v))))
     return raw
@@ -139,8 +138,12 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def load_raw(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A YAML file with its `_base_` chain resolved (paths relative to the including file)."""
-    p = Path(path).resolve()
+    """A YAML file with its `_base_` chain resolved (paths relative to the including file).
+
+    `path` may also name a packaged recipe (`pretrain_gpt_tiny_cpu`, `configs/<name>.yaml`);
+    so may a `_base_` entry that is not a file next to the including one.
+    """
+    p = (locate(path) if not _seen else Path(path)).resolve()
     if p in _seen:
         chain = " -> ".join(str(s) for s in (*_seen, p))
         raise ConfigError(f"{p}: _base_ inheritance loops ({chain})")
@@ -153,9 +156,13 @@ def load_raw(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str,
                 raise ConfigError(f"{p}: _base_ must be a file path or a list of paths, got {b!r}")
             bp = Path(b) if os.path.isabs(b) else p.parent / b
             if not bp.exists():
-                raise ConfigError(f"{p}: _base_ file not found: {b}")
+                bp = packaged_fallback(b)
+                if bp is None:
+                    raise ConfigError(f"{p}: _base_ file not found: {b} (nor a packaged recipe of that name; "
+                                      "`gptforge config list` shows them)")
             merged = deep_merge(merged, load_raw(bp, (*_seen, p)))
-    return deep_merge(merged, normalize_raw(data))
+    data = normalize_raw(data)
+    return deep_merge(merged, apply_overrides(data, preset_fills(data, merged)))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -314,17 +321,70 @@ def build_config(raw: dict[str, Any]) -> Config:
 # --------------------------------------------------------------------------- derive
 
 
+def _preset_shape(name: Any) -> dict[str, Any]:
+    from gptforge.model.presets import PRESETS
+
+    name = str(name)
+    if name not in PRESETS:
+        raise ConfigError(f"Model.preset: unknown preset {name!r}{_suggest(name, PRESETS, '')}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _get(raw: dict, *path: str) -> Any:
+    node: Any = raw
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def preset_fills(layer: dict[str, Any], below: dict[str, Any], keep: typing.Container[str] = ()) -> list[str]:
+    """What naming `Model.preset` in one config layer (a YAML document, the -o overrides) sets,
+    as `Section.key=value` overrides to apply over that layer.
+
+    The preset's shape replaces the shape the layers below set, except the keys this layer sets
+    itself (and `keep`: a checkpoint's shape). The vocabulary is left blank for `apply_preset`,
+    which matches it to the tokenizer. Sequence lengths from below that exceed the preset's
+    positions come down to them, so `-o Model.preset=tiny` works over any recipe.
+    """
+    model = layer.get("Model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return []
+    shape = _preset_shape(model["preset"])
+    fills = [f"Model.{key}=" + ("" if key == "vocab_size" else str(value))
+             for key, value in shape.items() if key not in keep and model.get(key) is None]
+    positions = model.get("max_position_embeddings") or shape.get("max_position_embeddings")
+    if positions is None or "max_position_embeddings" in keep:
+        return fills
+    for split in ("Train", "Eval", "Test"):
+        if _get(layer, "Data", split, "dataset", "max_seq_len") is not None:
+            continue  # this layer's own value: check_train_shapes judges it
+        seq = _get(below, "Data", split, "dataset", "max_seq_len")
+        seq = DatasetConfig().max_seq_len if seq is None else seq
+        if isinstance(seq, int) and seq > int(positions):
+            fills.append(f"Data.{split}.dataset.max_seq_len={int(positions)}")
+    return fills
+
+
 def apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
-    """Expand `Model.preset`: preset shape values fill keys the files did not set."""
+    """Expand `Model.preset` in a merged raw dict: preset shape values fill keys no layer set.
+
+    A blank vocabulary takes the preset's; with `Data.tokenizer: gpt2` (the CPU recipes) it is at
+    least GPT-2's 50257 tokens: `tiny` and `mini` carry the size of a trained tokenizer
+    (`gptforge tokenizer train`). A blank `Data.tokenizer` may still mean a checkpoint's own, so
+    there the preset's size stays and the trainer names `-o Model.vocab_size` if GPT-2's ids
+    do not fit.
+    """
     model = raw.get("Model")
     if not isinstance(model, dict) or not model.get("preset"):
         return raw
-    from gptforge.model.presets import PRESETS
+    from gptforge.model.presets import GPT2_VOCAB_SIZE
 
-    name = str(model["preset"])
-    if name not in PRESETS:
-        raise ConfigError(f"Model.preset: unknown preset {name!r}{_suggest(name, PRESETS, '')}; choose from {', '.join(PRESETS)}")
-    filled = {**PRESETS[name], **{k: v for k, v in model.items() if v is not None}}
+    shape = _preset_shape(model["preset"])
+    filled = {**shape, **{k: v for k, v in model.items() if v is not None}}
+    if model.get("vocab_size") is None and "vocab_size" in shape:
+        tokenizer = _get(raw, "Data", "tokenizer")
+        if tokenizer is not None and str(tokenizer).lower() in ("gpt2", "gpt", "gpt-2"):
+            filled["vocab_size"] = max(shape["vocab_size"], GPT2_VOCAB_SIZE)
     return {**raw, "Model": filled}
 
 
@@ -590,7 +650,7 @@ def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -
     if p.is_dir() and re.fullmatch(r"step_\d+", p.name) and _get(raw, "Engine") is not None:
         raw = _with(raw, "Engine.save_load.output_dir", os.path.abspath(p.parent))
         legacy.pop("Engine.save_load.output_dir", None)
-    if _get(raw, "Data.tokenizer") is not None and p.is_dir() and has_tokenizer_files(p):
+    if _at(raw, "Data.tokenizer") is not None and p.is_dir() and has_tokenizer_files(p):
         raw = _with(raw, "Data.tokenizer", None, drop=True)
     if "Data.tokenizer" in legacy and p.is_dir() and has_tokenizer_files(p):
         del legacy["Data.tokenizer"]
@@ -601,7 +661,7 @@ def _report_legacy_paths(raw: dict[str, Any], legacy: dict[str, str], ckpt_dir) 
     """Relative paths dropped from an older checkpoint's config that -c/-o did not set again:
     a missing tokenizer is an error (another one would silently change every id); the rest
     (data, output directories) fall back to this run's values, said once on stderr."""
-    unset = {k: v for k, v in legacy.items() if _get(raw, k) is None}
+    unset = {k: v for k, v in legacy.items() if _at(raw, k) is None}
     if "Data.tokenizer" in unset:
         raise ConfigError(
             f"Data.tokenizer: the checkpoint {ckpt_dir} records {unset['Data.tokenizer']!r}, a path relative to the "
@@ -623,18 +683,17 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size")):
         if isinstance(out.get(section), dict) and key in out[section]:
             out[section] = {k: v for k, v in out[section].items() if k != key}
-    if _get(out, "Engine.save_load.ckpt_dir") is not None:
+    if _at(out, "Engine.save_load.ckpt_dir") is not None:
         out = _with(out, "Engine.save_load.ckpt_dir", None, drop=True)
     return out
 
 
-def load_config(
+def merge_layers(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
     ckpt_dir: str | os.PathLike | None = None,
-    world_size: int | None = None,
-) -> Config:
-    """The resolved config: defaults ← checkpoint config ← file ← overrides.
+) -> dict[str, Any]:
+    """The merged raw dict: defaults ← checkpoint config ← file ← overrides, presets expanded.
 
     With a checkpoint the model *shape* always comes from the checkpoint (a -c file written for
     another size would otherwise fail to load); everything else in the file still applies.
@@ -643,32 +702,53 @@ def load_config(
     requires: list[str] = []
     legacy: dict[str, str] = {}
     file_raw = load_raw(path) if path else {}
+    keep: tuple[str, ...] = ()
     if ckpt_dir is not None:
         raw = checkpoint_raw(ckpt_dir)
         requires = raw.pop("__requires__", [])
         raw = _drop_launch_derived(raw)
         raw, legacy = _portable_checkpoint_raw(raw, ckpt_dir)
         ck_model = raw.get("Model") or {}
+        keep = tuple(k for k in ARCH_KEYS if k in ck_model)
         if isinstance(file_raw.get("Model"), dict):
             file_model = {k: v for k, v in file_raw["Model"].items()
                           if not (k in ck_model and k in ARCH_KEYS) and k != "preset"}
             file_raw = {**file_raw, "Model": file_model}
     raw = deep_merge(raw, file_raw)
-    raw = apply_overrides(raw, overrides)
+    overrides = list(overrides)
+    layer = apply_overrides({}, overrides)  # what the -o layer alone sets
+    raw = apply_overrides(apply_overrides(raw, overrides), preset_fills(layer, raw, keep))
     if legacy:
         _report_legacy_paths(raw, legacy, ckpt_dir)
     for key in requires:
-        node: Any = raw
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is None:
+        if _get(raw, *key.split(".")) is None:
             raise ConfigError(
                 f"{key}: the checkpoint {ckpt_dir} does not record it; pass -o {key}=N "
                 "(or -c the config the checkpoint was trained with)"
             )
-    raw = apply_preset(raw)
-    cfg = build_config(raw)
-    return resolve(cfg, world_size=world_size)
+    return apply_preset(raw)
+
+
+def load_given(
+    path: str | os.PathLike | None = None,
+    overrides: typing.Iterable[str] = (),
+    ckpt_dir: str | os.PathLike | None = None,
+) -> Config:
+    """The typed config as the layers give it, before `resolve` derives anything."""
+    return build_config(merge_layers(path, overrides, ckpt_dir))
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: typing.Iterable[str] = (),
+    ckpt_dir: str | os.PathLike | None = None,
+    world_size: int | None = None,
+) -> Config:
+    """The resolved config: defaults ← checkpoint config ← file ← overrides → `resolve`.
+
+    `path` is a YAML file or a packaged recipe's name (`gptforge config list`).
+    """
+    return resolve(load_given(path, overrides, ckpt_dir), world_size=world_size)
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -62,7 +62,7 @@ def measure_models(paths: dict[str, str | Path], batch: int, seq: int, device: s
     batch. The models are timed in interleaved rounds (each round times every model) and each
     keeps its best, so a disturbance on a busy machine hits all of them alike.
     """
-    from gptforge.commands.common import select_device
+    from gptforge.device import select_device
     from gptforge.model_io import load_model
 
     dev = select_device(device)

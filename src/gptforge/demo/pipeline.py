@@ -16,7 +16,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import shlex
 import shutil
 import sys
 import time
@@ -25,30 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gptforge.demo.plan import PROMPTS, SPLIT, Paths, Settings, Steps, calibrate, write_configs
+from gptforge.demo.stages import ROWS, STAGES, command_line
 from gptforge.errors import GPTForgeError, UsageError
 from gptforge.evaluate.common import write_json_atomic
 
 STATE_FORMAT = "gptforge-demo/1"
-STAGES = 15  # run_demo's stages, the report included
-
-# Rows of the report: key -> (label, model directory kind)
-ROWS = {
-    "float": "float (pretrained)",
-    "ptq": "PTQ INT8",
-    "qat": "QAT INT8",
-    "qat_skip": "QAT INT8 after analysis",
-    "pruned": "pruned + fine-tuned",
-    "pruned_qat": "pruned + QAT INT8",
-}
-
-
 class DemoError(GPTForgeError):
     """A demo stage failed; the message names the stage, its log and how to continue."""
-
-
-def command_line(argv: list[str]) -> str:
-    """`gptforge ...` as a user would type it."""
-    return " ".join(["gptforge", *(shlex.quote(str(a)) for a in argv)])
 
 
 class _Tee(io.TextIOBase):

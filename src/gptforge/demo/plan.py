@@ -71,8 +71,8 @@ def calibrate(s: Settings) -> Steps:
     """Time a few float training steps of the demo's shape and derive the step counts."""
     import torch
 
-    from gptforge.commands.common import select_device
     from gptforge.config import load_config
+    from gptforge.device import select_device
     from gptforge.model import build_model
 
     cfg = load_config(overrides=model_overrides(s))

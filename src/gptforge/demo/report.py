@@ -58,7 +58,7 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gptforge.demo.pipeline import ROWS
+    from gptforge.demo.stages import ROWS
 
     files = {}
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -115,7 +115,7 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
 
 
 def _checks(d, rows: dict) -> list[tuple[bool, str, str]]:
-    from gptforge.demo.pipeline import STAGES
+    from gptforge.demo.stages import STAGES
 
     pre = d.out("pretrain")
     first, last = pre["train"][0][1], pre["train"][-1][1]
@@ -137,7 +137,7 @@ def _checks(d, rows: dict) -> list[tuple[bool, str, str]]:
 
 
 def _table(rows: dict) -> tuple[list[str], list[list[str]]]:
-    from gptforge.demo.pipeline import ROWS
+    from gptforge.demo.stages import ROWS
 
     head = ["model", "precision / shape", "params", "size on disk", "tokens/s", "held-out loss", "ppl", "cloze acc"]
     body = []
@@ -155,7 +155,7 @@ def _row_commands() -> dict[str, list[str]]:
 
 
 def _commands_for(d, ref: str) -> list[list[str]]:
-    from gptforge.demo.pipeline import command_line
+    from gptforge.demo.stages import command_line
 
     stage, _, row = ref.partition(":")
     cmds = d.records[stage].commands
@@ -262,7 +262,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
                f"`gptforge infer` on the ONNX INT8 model, greedy: {ex['infer_text']!r}"])
     doc.h(2, "Reproduce")
     doc.p("Each row's commands (run after the data commands of the first row):")
-    from gptforge.demo.pipeline import ROWS
+    from gptforge.demo.stages import ROWS
 
     for key, refs in _row_commands().items():
         doc.h(3, ROWS[key])

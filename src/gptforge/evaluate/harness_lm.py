@@ -189,8 +189,8 @@ class GPTForgeLM(TemplateLM):
 
 
 def _load(ckpt: str, device: str | None):
-    from gptforge.commands.common import select_device
     from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.device import select_device
     from gptforge.model_io import load_model, resolve_checkpoint_path
 
     path = resolve_checkpoint_path(ckpt)

@@ -33,12 +33,12 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
                 qdq_dtype: str = "uint8", check: bool = True, overwrite: bool = False) -> ExportReport:
     """Write `model` (float, pruned, fake-quant or INT8) as an ONNX directory (see the module
     docstring). `precision`: auto (int8 for quantized models) | fp32 | int8. `qdq_dtype`: how
-    INT8 integers are stored (`qdq.py`). `cfg`: the model's whole Config, saved as config.yaml."""
+    INT8 integers are stored (uint8 | int8 | auto, `qdq.py`). `cfg`: the model's whole Config, saved as config.yaml."""
     import onnx
 
     from gptforge.export.common import check_plain_linears, model_kind, quiet_exporter, resolve_precision
     from gptforge.export.program import graph_model, new_report, write_side_files
-    from gptforge.export.qdq import onnx_translations
+    from gptforge.export.qdq import onnx_translations, resolve_qdq_dtype
     from gptforge.export.step import StepModel, dynamic_shapes, example_inputs
     from gptforge.model_io import atomic_dir
 
@@ -46,6 +46,7 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
     check_plain_linears(model, "the ONNX export")
     kind = model_kind(model)
     prec = resolve_precision(precision, kind)
+    qdq_dtype = resolve_qdq_dtype(qdq_dtype)  # `auto`: the report records what was written
     gm = graph_model(model, prec, qdq_dtype)
     report = new_report("onnx", model, gm, prec, kind, out_dir, tokenizer, qdq_dtype)
     report.opset = OPSET

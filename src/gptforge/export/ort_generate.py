@@ -8,53 +8,43 @@ of `gptforge.generate`, so every Generation option works and greedy output equal
 The cache is the list of `present_*` arrays the previous step returned, fed back as `past_*`.
 
 INT8 GEMMs (`int8_gemm`). onnxruntime fuses each QDQ MatMul into an int8 GEMM
-(`MatMulIntegerToFloat`). Graphs stored as uint8 (the default, `qdq.py`) use its u8·u8 kernel,
-exact on every CPU. Graphs stored as int8 use its s8 kernel, which on x86 CPUs without VNNI
-(AVX2 only) adds pairs of u8·s8 products into saturating int16 (`vpmaddubsw`) and is far off
-for full-range weights. `auto` therefore fuses unless the graph is int8 and the CPU lacks VNNI;
-then (`off`) the QDQ graph runs as written (`session.disable_quant_qdq`: activations are still
-rounded to their int8 steps, the products run in fp32, exact but no faster than fp32). `on`
-forces the fusion.
+(`MatMulIntegerToFloat`): its u8·u8 kernel for graphs stored as uint8 (the default, `qdq.py`),
+its s8 kernel for graphs stored as int8. On x86 CPUs without VNNI the s8 kernel adds pairs of
+u8·s8 products into saturating int16 (`vpmaddubsw`) and is far off for full-range weights.
+`auto` fuses where a one-time probe finds the kernel for the graph's storage exact on the
+running CPU (`compress/cpu_kernels.py`); elsewhere (`off`) the QDQ graph runs as written
+(`session.disable_quant_qdq`: activations are still rounded to their int8 steps, the products
+run in fp32, exact but no faster than fp32). `on` / `off` (or `GPTFORGE_ORT_INT8_GEMM`) force it.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import platform
 from typing import Any
 
 import numpy as np
 import torch
 
+from gptforge.compress.cpu_kernels import ORT_GEMMS, ort_gemm_is_exact, ort_int8_gemm
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.export.common import META_FILE, load_export_config, read_export_dir
 
-INT8_GEMM = ("auto", "on", "off")
+INT8_GEMM = ORT_GEMMS
 
 
-@functools.lru_cache(maxsize=1)
 def s8_gemm_is_exact() -> bool:
-    """Whether onnxruntime's s8 GEMMs compute exactly on this CPU (see the module docstring)."""
-    if platform.machine().lower() in ("arm64", "aarch64"):
-        return True
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+    """Whether onnxruntime's s8 GEMM (int8-stored graphs) is exact on this CPU (probed once)."""
+    return bool(ort_gemm_is_exact("int8"))
 
 
-def int8_gemm_mode(meta: dict, requested: str = "auto") -> str:
-    """`on`, `off` or `n/a` (an fp32 graph) for an export described by `meta`."""
-    if requested not in INT8_GEMM:
+def int8_gemm_mode(meta: dict, requested: str | None = "auto") -> str:
+    """`on`, `off` or `n/a` (an fp32 graph) for an export described by `meta`; `requested`
+    None/auto = `GPTFORGE_ORT_INT8_GEMM`, else the probe's choice (module docstring)."""
+    if requested is not None and requested not in INT8_GEMM:
         raise UsageError(f"--int8-gemm {requested!r}: choose one of {', '.join(INT8_GEMM)}")
     if meta.get("precision") != "int8":
         return "n/a"
-    if requested != "auto":
-        return requested
-    return "on" if meta.get("qdq_dtype", "int8") == "uint8" or s8_gemm_is_exact() else "off"
+    return ort_int8_gemm(meta.get("qdq_dtype", "int8"), requested)
 
 
 def make_session(path: str | os.PathLike, meta: dict, *, int8_gemm: str = "auto", threads: int | None = None):

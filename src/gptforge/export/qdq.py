@@ -18,9 +18,12 @@ Each quantized Linear becomes
 Encoding (`dtype`). The integers are symmetric (±127 for 8 bits). `int8` stores them as they
 are, with zero point 0 (the reference's form). `uint8` (the default) stores them + 128 with
 zero point 128: the same numbers after dequantization, but onnxruntime then fuses each
-MatMul into its u8·u8 int8 GEMM, which is exact on every x86 CPU; its s8 path on AVX2 without
-VNNI adds pairs of products into saturating int16 (`vpmaddubsw`) and is off by ~15% of a
-layer's output range (measured: docs/export.md).
+MatMul into its u8·u8 int8 GEMM, which widens to 16 bits and is exact on every x86 CPU we
+probed; its s8 path on x86 without VNNI adds pairs of products into saturating int16
+(`vpmaddubsw`) and is off by ~15% of a layer's output range (measured on AVX2: docs/export.md).
+`auto` picks the fastest encoding whose fused kernel a one-time probe finds exact on the
+exporting CPU (`compress/cpu_kernels.py`): int8 where the s8 kernel is exact (VNNI), else
+uint8. The file outlives that CPU, hence uint8, exact wherever it runs, stays the default.
 
 The two custom ops below (`gptforge::quantize_dequantize`, `gptforge::dequantize_weight`)
 compute these numbers in eager PyTorch (so a QDQ module equals the fake-quant model), stay
@@ -40,7 +43,7 @@ from torch import nn
 from gptforge.compress.quant import EPS, qmax_for
 from gptforge.errors import UsageError
 
-QDQ_DTYPES = ("uint8", "int8")
+QDQ_DTYPES = ("uint8", "int8", "auto")
 _OFFSET = {"uint8": 128, "int8": 0}
 _TORCH_DTYPE = {"uint8": torch.uint8, "int8": torch.int8}
 
@@ -97,6 +100,17 @@ def onnx_translations() -> dict:
     """`custom_translation_table` for `torch.onnx.export` (ONNX opset 18)."""
     return {torch.ops.gptforge.quantize_dequantize.default: _onnx_quantize_dequantize,
             torch.ops.gptforge.dequantize_weight.default: _onnx_dequantize_weight}
+
+
+def resolve_qdq_dtype(dtype: str) -> str:
+    """`uint8` or `int8`: `dtype` itself, or for `auto` the fastest exact one here (module docstring)."""
+    if dtype not in QDQ_DTYPES:
+        raise UsageError(f"--qdq-dtype {dtype!r}: choose one of {', '.join(QDQ_DTYPES)}")
+    if dtype == "auto":
+        from gptforge.compress.cpu_kernels import fastest_exact_qdq_dtype
+
+        return fastest_exact_qdq_dtype()
+    return dtype
 
 
 def _encode(ints: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -162,8 +176,7 @@ def to_qdq(model: nn.Module, dtype: str = "uint8") -> nn.Module:
     from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model
     from gptforge.export.common import FAKE_QUANT, model_kind
 
-    if dtype not in QDQ_DTYPES:
-        raise UsageError(f"--qdq-dtype {dtype!r}: choose one of {', '.join(QDQ_DTYPES)}")
+    dtype = resolve_qdq_dtype(dtype)
     m = copy.deepcopy(model).eval()
     if model_kind(m) == FAKE_QUANT:
         convert_model(m)  # the exact integers and steps, checked and shared with `quantize --convert`

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# Shape keys only; everything else (dropout, init, recompute) comes from the config.
+# GPT-2's BPE vocabulary: under `Data.tokenizer: gpt2` a preset's vocabulary is never smaller
+# than this (config/loader.apply_preset).
+GPT2_VOCAB_SIZE = 50257
+
+# Shape keys only; everything else (dropout, init, recompute) comes from the config. A preset
+# also lowers the sequence lengths it inherits to its positions (config/loader.preset_fills).
 PRESETS: dict[str, dict[str, Any]] = {
     # Reference sizes (PaddleFleetX configs).
     "345M": dict(hidden_size=1024, num_layers=24, num_attention_heads=16, ffn_hidden_size=4096,
@@ -24,7 +29,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "124M": dict(hidden_size=768, num_layers=12, num_attention_heads=12, ffn_hidden_size=3072,
                  vocab_size=50304, max_position_embeddings=1024),
     # Small CPU presets. `small` is the shape of the CPU training benchmarks (≈30M with GPT-2 vocab);
-    # `mini` and `tiny` pair with a custom BPE vocabulary (`gptforge tokenizer train`).
+    # `mini` and `tiny` carry the vocabulary of a trained BPE tokenizer (`gptforge tokenizer train`,
+    # then -o Data.tokenizer=DIR); under Data.tokenizer: gpt2 they take GPT-2's vocabulary instead.
     "small": dict(hidden_size=384, num_layers=6, num_attention_heads=6, ffn_hidden_size=1536,
                   vocab_size=50304, max_position_embeddings=1024),
     "mini": dict(hidden_size=256, num_layers=4, num_attention_heads=4, ffn_hidden_size=1024,

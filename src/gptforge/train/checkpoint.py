@@ -182,7 +182,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
 
     f = Path(path) / WEIGHTS_FILE
     if not f.is_file() and (Path(path) / ".metadata").is_file():
-        from gptforge.train.dist_checkpoint import read_model_tensors
+        from gptforge.dcp_read import read_model_tensors
 
         sd = read_model_tensors(path)
     else:

@@ -27,16 +27,15 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from gptforge.dcp_read import METADATA_FILE, dcp_load, is_distributed_checkpoint, read_model_tensors  # noqa: F401
 from gptforge.errors import CheckpointError
 from gptforge.train import checkpoint as ckpt
 
-METADATA_FILE = ".metadata"
 _OPTIONS = None
 
 
@@ -53,11 +52,6 @@ def _options():
 
 def _notice(msg: str) -> None:
     print(f"gptforge: {msg}", file=sys.stderr)
-
-
-def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory written by DCP (it has `.metadata`)."""
-    return (Path(path) / METADATA_FILE).is_file()
 
 
 # Group options that describe this run's kernels and bookkeeping, not the training state: they
@@ -133,41 +127,10 @@ def save_distributed(output_dir: str | os.PathLike, step: int, model: nn.Module,
 # --------------------------------------------------------------------------------- load
 
 
-def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        # Reading in one process is the point here, not a fallback worth a warning.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
-
-
-def read_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a DCP checkpoint, in this process alone."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    p = Path(path)
-    try:
-        reader = dcp.FileSystemReader(str(p))
-        md = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - DCP raises several types
-        raise CheckpointError(f"{p / METADATA_FILE}: unreadable ({type(e).__name__}: {e})") from None
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-          if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    if not sd:
-        raise CheckpointError(f"{p}: the distributed checkpoint holds no model.* tensors")
-    try:
-        _dcp_load(sd, p, no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{p}: cannot read the distributed checkpoint ({type(e).__name__}: {e})") from None
-    return {k[len("model."):]: v for k, v in sd.items()}
-
-
 def _load_dcp_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, par) -> None:
     template = _optim_state(model, optimizer)
     try:
-        _dcp_load({"optim": template}, path, no_dist=not par.distributed)
+        dcp_load({"optim": template}, path, no_dist=not par.distributed)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: optimizer state does not fit this model's parameters "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -115,8 +115,8 @@ class Trainer:
                  transform: Callable[[nn.Module], nn.Module] | None = None,
                  datasets: dict | None = None, resume: str | Path | None = None,
                  progress: bool | None = None, echo: bool = True):
-        from gptforge.commands.common import select_device
         from gptforge.config import check_train_shapes
+        from gptforge.device import select_device
 
         check_train_shapes(cfg)
         self.cfg = cfg
@@ -163,7 +163,8 @@ class Trainer:
         if self.tokenizer.vocab_size > vocab:
             raise ConfigError(
                 f"Data.tokenizer: {self.tokenizer.name!r} has {self.tokenizer.vocab_size} tokens but the model's "
-                f"vocabulary is {vocab}; raise Model.vocab_size or use the tokenizer the data was made with")
+                f"vocabulary is {vocab}; add -o Model.vocab_size={self.tokenizer.vocab_size} (presets tiny and mini "
+                "are sized for a trained tokenizer, -o Data.tokenizer=DIR), or use the tokenizer the data was made with")
         self.datasets = datasets
         self._build_datasets()  # data errors surface before the optimizer and run directory exist
 
