@@ -93,6 +93,58 @@ def test_split_rule():
     assert split_passage("alone") == ("", " alone")
 
 
+# Passages with a newline before the last word (as 7 of the OpenAI test file's), with and
+# without a space before the newline, and one with trailing whitespace.
+NEWLINE_PASSAGES = [
+    "He carried a small brass lantern and a notebook.\nnotebook",
+    "The beam swept across the water for twenty \nmiles",
+    "She promised to visit when the examinations were finished ",
+]
+
+
+def test_split_rules_differ_only_on_whitespace_before_the_last_word():
+    text = NEWLINE_PASSAGES[0]
+    assert split_passage(text) == ("He carried a small brass lantern and a notebook.", " notebook")
+    assert split_passage(text, "lm_eval") == ("He carried a small brass lantern and a", " notebook.\nnotebook")
+    assert split_passage(NEWLINE_PASSAGES[1], "lm_eval") == ("The beam swept across the water for twenty", " \nmiles")
+    assert split_passage(NEWLINE_PASSAGES[2], "lm_eval") == (NEWLINE_PASSAGES[2][:-1], " ")
+    plain = "the cat saw the cat"
+    assert split_passage(plain, "lm_eval") == split_passage(plain)
+    with pytest.raises(ValueError, match="lm_evaluation"):
+        split_passage(plain, "lm_evaluation")
+
+
+def test_lambada_split_rules_score_their_own_targets(setup, hf_model, tmp_path):
+    """Both rules on passages with a newline before the last word, against straightforward HF
+    scoring of each rule's (context, target) ids; on plain passages the rules agree."""
+    model, tok, _, _, path, _ = setup
+    f = tmp_path / "nl.jsonl"
+    f.write_text(path.read_text() + "".join(json.dumps({"text": t}) + "\n" for t in NEWLINE_PASSAGES))
+    from gptforge.evaluate.lambada import encode_examples, read_lambada
+
+    res = {r: evaluate_lambada(model, tok, f, batch_size=8, split_rule=r) for r in ("reference", "lm_eval")}
+    ref, lme = res["reference"]["examples"], res["lm_eval"]["examples"]
+    n_plain = len(ref) - len(NEWLINE_PASSAGES)
+    assert [e["target"] for e in ref[n_plain:]] == [" notebook", " miles", " finished"]
+    assert [e["target"] for e in lme[n_plain:]] == [" notebook.\nnotebook", " \nmiles", " "]
+    for a, b in zip(ref[:n_plain], lme[:n_plain], strict=True):
+        assert a["correct"] == b["correct"] and a["target_logprob"] == pytest.approx(b["target_logprob"], abs=1e-5)
+    assert res["lm_eval"]["metrics"]["split_rule"] == "lm_eval"
+    for rule, r in res.items():
+        examples = r["examples"]
+        ctxs, tgts = encode_examples(tok, read_lambada(f, rule), rule)
+        # the plain passages agree between the rules and test_lambada_matches_hf checks them
+        for c, t, e in list(zip(ctxs, tgts, examples, strict=True))[n_plain - 2:]:
+            ids = torch.tensor([c + t])
+            with torch.no_grad():
+                logp = F.log_softmax(hf_model(ids).logits[0, len(c) - 1:-1].double(), -1)
+            assert e["correct"] == (logp.argmax(-1).tolist() == t), rule
+            assert e["target_logprob"] == pytest.approx(float(sum(logp[k, x] for k, x in enumerate(t))), abs=1e-3)
+    # lm-eval's tokenization of the pair: the context's trailing whitespace joins the target
+    ctxs, tgts = encode_examples(tok, read_lambada(f, "lm_eval"), "lm_eval")
+    assert tok.decode(tgts[-1]) == " " and tok.decode(ctxs[-1]) == NEWLINE_PASSAGES[2][:-1]
+
+
 def _hf_lambada(hf, tok, path):
     """Straightforward per-example scoring with HF transformers, full logits, batch 1."""
     out = []
@@ -320,6 +372,26 @@ def test_cli_wikitext_hf_dir_default_output(setup, run_cli, tmp_path, monkeypatc
     direct = evaluate_wikitext(model, tok, wiki, seq_len=48, stride=16)
     assert res["metrics"]["avg_loss"] == pytest.approx(direct["metrics"]["avg_loss"], rel=1e-5)
     assert "EMULATED reference aggregation" in stdout and "WikiText" in err  # labelled line; progress bar
+
+
+def test_cli_lambada_split_option(setup, run_cli, tmp_path):
+    _, _, ours, _, path, _ = setup
+    f = tmp_path / "nl.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in NEWLINE_PASSAGES))
+    got = {}
+    for extra in ([], ["--lambada-split", "lm_eval"], ["-o", "Offline_Eval.lambada_split=lm_eval"]):
+        out = tmp_path / f"r{len(got)}.json"
+        code, _, err = run_cli("eval", "--ckpt", ours, "-o", f"Offline_Eval.eval_path={f}", "-o",
+                               "Offline_Eval.cloze_eval=True", "--output", out, "--no-progress", *extra)
+        assert code == 0, err
+        res = json.loads(out.read_text())
+        got[" ".join(extra)] = ([e["target"] for e in res["examples"]], res["config"]["lambada_split"])
+    assert got[""] == ([" notebook", " miles", " finished"], "reference")
+    assert got["--lambada-split lm_eval"] == ([" notebook.\nnotebook", " \nmiles", " "], "lm_eval")
+    assert got["-o Offline_Eval.lambada_split=lm_eval"] == got["--lambada-split lm_eval"]
+    code, _, err = run_cli("eval", "--ckpt", ours, "-o", "Offline_Eval.lambada_split=lm-eval")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "Offline_Eval.lambada_split: must be reference or lm_eval, got 'lm-eval' (did you mean lm_eval?)" in err
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -174,3 +174,76 @@ def test_missing_extra_is_a_clear_error(env, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(UsageError, match=r"pip install 'gptforge\[eval\]'"):
         harness.run_harness(env["model"], env["tok"], "lambada_local")
+
+
+@pytest.fixture(scope="module")
+def openai_task(env):
+    """lm-eval's own `lambada_openai.yaml` (its doc_to_text / doc_to_target untouched), pointed
+    at a local file that mixes plain passages with passages that have a newline before the last
+    word; returns (task name, TaskManager, jsonl path)."""
+    from pathlib import Path
+
+    import lm_eval
+    import yaml
+
+    from gptforge.evaluate.harness import task_manager
+    from test_eval import NEWLINE_PASSAGES
+
+    d = env["dir"] / "openai"
+    (d / "tasks").mkdir(parents=True)
+    data = d / "lambada_nl.jsonl"
+    data.write_text((env["dir"] / "lambada.jsonl").read_text()
+                    + "".join(json.dumps({"text": t}) + "\n" for t in NEWLINE_PASSAGES))
+    cfg = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "lambada" / "lambada_openai.yaml").read_text())
+    cfg.pop("tag", None)
+    cfg.pop("dataset_name", None)
+    cfg.update(task="lambada_openai_local", dataset_path="json", dataset_kwargs={"data_files": {"test": str(data)}})
+    (d / "tasks" / "lambada_openai_local.yaml").write_text(yaml.safe_dump(cfg))
+    return "lambada_openai_local", task_manager(d / "tasks"), data
+
+
+def test_lm_eval_split_is_lambada_openai_example_by_example(env, openai_task, ours_lm, hf_lm):
+    from lm_eval import evaluator
+    from lm_eval.tasks import get_task_dict
+
+    from gptforge.evaluate.lambada import read_lambada
+    from test_eval import NEWLINE_PASSAGES
+
+    name, tm, data = openai_task
+    task = get_task_dict([name], tm)[name]
+    task.build_all_requests(rank=0, world_size=1)
+    lm_eval_pairs = [i.args for i in sorted(task.instances, key=lambda i: i.doc_id)]
+    ours = [(e.context, e.target) for e in read_lambada(data, "lm_eval")]
+    assert ours == lm_eval_pairs
+    reference = [(e.context, e.target) for e in read_lambada(data)]
+    n_plain = len(reference) - len(NEWLINE_PASSAGES)
+    assert reference[:n_plain] == lm_eval_pairs[:n_plain]
+    assert all(a != b for a, b in zip(reference[n_plain:], lm_eval_pairs[n_plain:], strict=True))
+
+    direct = evaluate_lambada(env["model"], env["tok"], data, batch_size=8, seq_len=64, split_rule="lm_eval")
+    for lm in (ours_lm, hf_lm):
+        res = evaluator.simple_evaluate(model=lm, tasks=[name], task_manager=tm, log_samples=True, bootstrap_iters=0)
+        samples = sorted(res["samples"][name], key=lambda s: s["doc_id"])
+        assert [bool(s["acc"]) for s in samples] == [e["correct"] for e in direct["examples"]], type(lm).__name__
+        lps = [s["filtered_resps"][0][0] for s in samples]
+        assert max(abs(a - e["target_logprob"]) for a, e in zip(lps, direct["examples"], strict=True)) < 1e-3
+        assert res["results"][name]["perplexity,none"] == pytest.approx(direct["metrics"]["target_perplexity"],
+                                                                        rel=1e-4)
+
+
+def test_no_progress_silences_every_bar_in_harness_mode(env, run_cli, tmp_path):
+    argv = ("eval", "--ckpt", env["dir"] / "ours", "--harness", "lambada_local", "--include-path", env["dir"] / "tasks")
+    code, _, err = run_cli(*argv, "--output", tmp_path / "a.json")
+    assert code == 0, err
+    for bar in ("Tokenizing inputs", "loglikelihood:", "it/s"):  # lm-eval's, ours, and lm-eval's unnamed one
+        assert bar in err, bar
+    code, _, err = run_cli(*argv, "--output", tmp_path / "b.json", "--no-progress")
+    assert code == 0, err
+    assert "it/s" not in err and "%|" not in err and "Generating test split" not in err, err
+    assert json.loads((tmp_path / "a.json").read_text())["results"] == \
+        json.loads((tmp_path / "b.json").read_text())["results"]
+    from lm_eval.api import model as lm_model
+    from lm_eval.api import task as lm_task
+    from tqdm import tqdm
+
+    assert lm_task.tqdm is tqdm and lm_model.tqdm is tqdm  # restored after the run

@@ -79,6 +79,13 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     )
 
 
+def has_tokenizer_files(d: str | os.PathLike) -> bool:
+    """Whether directory `d` carries a tokenizer of its own (`tokenizer.json`, or
+    `vocab.json` + `merges.txt`): a model directory's own files win over a recorded path."""
+    p = Path(d)
+    return (p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())
+
+
 def detect_format(path: str | os.PathLike) -> str:
     p = resolve_checkpoint_path(path)
     if _is_ours(p):

@@ -23,7 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restrict-vocab", action="store_true",
                    help="argmax/softmax over the tokenizer's ids only (default: every column of the "
                         "model's padded vocabulary, as the reference and HF do)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--lambada-split", choices=("reference", "lm_eval"), metavar="{reference,lm_eval}",
+                   help="LAMBADA context/target rule (= Offline_Eval.lambada_split): reference (default: the last "
+                        "whitespace-separated word, the reference's rule) or lm_eval (lambada_openai's split on ' ', "
+                        "example by example)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (lm-eval's and datasets' too)")
     h = p.add_argument_group("lm-eval (optional extra: pip install 'gptforge[eval]')")
     h.add_argument("--harness", metavar="TASKS", help="comma-separated lm-eval task names to run instead")
     h.add_argument("--include-path", metavar="DIR", help="directory of lm-eval task YAMLs (local data files)")
@@ -39,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.include_path or args.builtin_tasks or args.limit is not None or args.num_fewshot is not None) \
             and not args.harness:
         raise UsageError("--include-path/--builtin-tasks/--limit/--num-fewshot only apply with --harness TASKS")
+    if args.lambada_split:
+        args.override = [*args.override, f"Offline_Eval.lambada_split={args.lambada_split}"]
     cfg = config_from_args(args, require=True)
     if not args.ckpt:
         raise UsageError("give the model to evaluate with --ckpt DIR (ours, an HF GPT-2 directory or a .pdparams)")
@@ -70,5 +76,5 @@ def _run_harness(args, cfg, model, tok) -> int:
                 output=args.output or oe.output or default_output("harness", args.ckpt),
                 max_length=min(oe.max_seq_len, model_context(model)),
                 vocab_size=tok.vocab_size if args.restrict_vocab else None,
-                amp_dtype=amp_dtype_for(cfg, model_device(model)))
+                amp_dtype=amp_dtype_for(cfg, model_device(model)), progress=not args.no_progress)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -38,6 +39,63 @@ ARCH_KEYS = (
     "max_position_embeddings",
     "layer_norm_epsilon",
 )
+
+
+# Keys that hold filesystem paths, with the words they accept that are not paths. A run reads
+# them relative to its working directory; a saved config.yaml stores them absolute
+# (`absolute_paths`), so nothing in a model directory depends on where its run was started.
+# (Profiler.profiler_log is relative to the run's output directory, not a path of its own.)
+PATH_KEYS: dict[str, tuple[str, ...]] = {
+    "Data.tokenizer": ("gpt2", "gpt", "gpt-2"),
+    "Data.Train.dataset.input_dir": ("builtin",),
+    "Data.Eval.dataset.input_dir": ("builtin",),
+    "Data.Test.dataset.input_dir": ("builtin",),
+    "Engine.save_load.output_dir": (),
+    "Engine.save_load.ckpt_dir": ("auto",),
+    "Offline_Eval.eval_path": (),
+    "Offline_Eval.output": (),
+    "Compress.pretrained": (),
+    "Inference.model_dir": (),
+    "Inference.TensorRT.shape_range_info_filename": (),
+}
+
+
+def _at(raw: dict, key: str) -> Any:
+    """The value at dotted `key` ("Data.tokenizer") of a raw dict, or None."""
+    return _get(raw, *key.split("."))
+
+
+def _with(raw: dict, key: str, value: Any, drop: bool = False) -> dict:
+    """A copy of `raw` with `key` set to `value` (or removed), copying only the sections on its path."""
+    head, _, rest = key.partition(".")
+    out = dict(raw)
+    if not rest:
+        if drop:
+            out.pop(head, None)
+        else:
+            out[head] = value
+        return out
+    child = out.get(head)
+    out[head] = _with(child if isinstance(child, dict) else {}, rest, value, drop)
+    return out
+
+
+def _relative_path_value(raw: dict, key: str) -> str | None:
+    """The value of path key `key` when it is a relative path (not a keyword, not absolute)."""
+    v = _at(raw, key)
+    if not isinstance(v, str) or not v.strip() or v.strip().lower() in PATH_KEYS[key]:
+        return None
+    return None if os.path.isabs(os.path.expanduser(v)) else v
+
+
+def absolute_paths(raw: dict[str, Any], base: str | os.PathLike | None = None) -> dict[str, Any]:
+    """`raw` with every relative `PATH_KEYS` value made absolute against `base` (default: the cwd)."""
+    base = os.path.abspath(base if base is not None else os.getcwd())
+    for key in PATH_KEYS:
+        v = _at(raw, key)
+        if isinstance(v, str) and v.strip() and v.strip().lower() not in PATH_KEYS[key]:
+            raw = _with(raw, key, os.path.normpath(os.path.join(base, os.path.expanduser(v))))
+    return raw
 
 
 # ----------------------------------------------------------------------------- raw YAML
@@ -588,6 +646,10 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("weight_bits", "activation_bits"):
         if not 2 <= getattr(q, key) <= 16:
             raise ConfigError(f"Compress.Quantization.{key}: must be in [2, 16], got {getattr(q, key)}")
+    oe = cfg.Offline_Eval
+    if oe.lambada_split not in ("reference", "lm_eval"):
+        raise ConfigError(f"Offline_Eval.lambada_split: must be reference or lm_eval, got {oe.lambada_split!r}"
+                          f"{_suggest(oe.lambada_split, ('reference', 'lm_eval'), '')}")
     p = cfg.Compress.Prune
     if not 0.0 <= p.ratio < 1.0:
         raise ConfigError(f"Compress.Prune.ratio: must be in [0, 1), got {p.ratio}")
@@ -672,14 +734,66 @@ def checkpoint_raw(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     return read_checkpoint_config(ckpt_dir)
 
 
+def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+    """A checkpoint's config without the paths a later run must not follow, and the relative
+    paths dropped ({key: value}).
+
+    - `Data.tokenizer` goes when the directory carries tokenizer files: they are the model's
+      own, wherever the directory has been copied, and win unless -c/-o names another.
+    - Relative paths (written by gptforge before configs stored them absolute) are relative to
+      the working directory of a run long gone; reading them against today's would pick the
+      wrong files or none.
+    - A training step checkpoint (`DIR/step_N`) lives in its run's output directory, so
+      `Engine.save_load.output_dir` is DIR, where the directory is now: a resumed run
+      continues next to its checkpoint, wherever the run directory was copied.
+    """
+    from gptforge.model_io import has_tokenizer_files, resolve_checkpoint_path
+
+    p = resolve_checkpoint_path(ckpt_dir)
+    legacy = {}
+    for key in PATH_KEYS:
+        v = _relative_path_value(raw, key)
+        if v is not None:
+            legacy[key] = v
+            raw = _with(raw, key, None, drop=True)
+    if p.is_dir() and re.fullmatch(r"step_\d+", p.name) and _get(raw, "Engine") is not None:
+        raw = _with(raw, "Engine.save_load.output_dir", os.path.abspath(p.parent))
+        legacy.pop("Engine.save_load.output_dir", None)
+    if _at(raw, "Data.tokenizer") is not None and p.is_dir() and has_tokenizer_files(p):
+        raw = _with(raw, "Data.tokenizer", None, drop=True)
+    if "Data.tokenizer" in legacy and p.is_dir() and has_tokenizer_files(p):
+        del legacy["Data.tokenizer"]
+    return raw, legacy
+
+
+def _report_legacy_paths(raw: dict[str, Any], legacy: dict[str, str], ckpt_dir) -> None:
+    """Relative paths dropped from an older checkpoint's config that -c/-o did not set again:
+    a missing tokenizer is an error (another one would silently change every id); the rest
+    (data, output directories) fall back to this run's values, said once on stderr."""
+    unset = {k: v for k, v in legacy.items() if _at(raw, k) is None}
+    if "Data.tokenizer" in unset:
+        raise ConfigError(
+            f"Data.tokenizer: the checkpoint {ckpt_dir} records {unset['Data.tokenizer']!r}, a path relative to the "
+            "directory its run was started in, and holds no tokenizer files; pass -o Data.tokenizer=PATH")
+    if unset:
+        import sys
+
+        shown = ", ".join(f"{k}={v}" for k, v in unset.items())
+        print(f"gptforge: {ckpt_dir}: its config.yaml (an older gptforge's) stores paths relative to the directory "
+              f"its run was started in; ignoring {shown} (set them with -c/-o if this run needs them)", file=sys.stderr)
+
+
 def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config without the values its launch derived from the world size
     (Distributed.dp_degree, Global.local_batch_size): resuming at another world size derives
-    them again from the global batch."""
+    them again from the global batch. Engine.save_load.ckpt_dir (the checkpoint that launch
+    resumed from) goes too: it would make every later `--ckpt` of this directory a conflict."""
     out = dict(raw)
     for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size")):
         if isinstance(out.get(section), dict) and key in out[section]:
             out[section] = {k: v for k, v in out[section].items() if k != key}
+    if _at(out, "Engine.save_load.ckpt_dir") is not None:
+        out = _with(out, "Engine.save_load.ckpt_dir", None, drop=True)
     return out
 
 
@@ -709,12 +823,15 @@ def merge_layers(
     """
     raw: dict[str, Any] = {}
     requires: list[str] = []
+    legacy: dict[str, str] = {}
     file_raw = load_raw(path) if path else {}
     keep: tuple[str, ...] = ()
     if ckpt_dir is not None:
         raw = checkpoint_raw(ckpt_dir)
         requires = raw.pop("__requires__", [])
-        raw = _file_batch_wins(_drop_launch_derived(raw), file_raw)
+        raw = _drop_launch_derived(raw)
+        raw, legacy = _portable_checkpoint_raw(raw, ckpt_dir)
+        raw = _file_batch_wins(raw, file_raw)
         ck_model = raw.get("Model") or {}
         keep = tuple(k for k in ARCH_KEYS if k in ck_model)
         if isinstance(file_raw.get("Model"), dict):
@@ -725,6 +842,8 @@ def merge_layers(
     overrides = list(overrides)
     layer = apply_overrides({}, overrides)  # what the -o layer alone sets
     raw = apply_overrides(apply_overrides(raw, overrides), preset_fills(layer, raw, keep))
+    if legacy:
+        _report_legacy_paths(raw, legacy, ckpt_dir)
     for key in requires:
         if _get(raw, *key.split(".")) is None:
             raise ConfigError(
@@ -757,7 +876,9 @@ def load_config(
 
 
 def config_to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    """The config as YAML, path keys absolute: a config.yaml written into a model or run
+    directory must not depend on the working directory of the run that wrote it."""
+    return yaml.safe_dump(absolute_paths(cfg.to_dict()), sort_keys=False, default_flow_style=False)
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

@@ -239,6 +239,7 @@ class GenerationConfig:
 class OfflineEvalConfig:
     eval_path: str | None = None  # LAMBADA jsonl or WikiText text file, supplied by the user
     cloze_eval: bool = False  # True: LAMBADA accuracy; False: perplexity
+    lambada_split: str = "reference"  # LAMBADA context/target rule: reference (text.split(), the reference's) | lm_eval (lambada_openai's text.split(' '), example by example)
     overlapping_eval: int | None = 32  # perplexity window stride (blank = max_seq_len)
     batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
     max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context

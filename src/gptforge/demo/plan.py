@@ -11,6 +11,7 @@ four fine-tuning runs (QAT, QAT after analysis, pruning, pruned + QAT) 6.5%; eve
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,22 +158,28 @@ class Paths:
 SPLIT = [949, 50, 1]
 
 
+def _abs(path: Path) -> str:
+    # Absolute, so the recipes and every config.yaml trained from them work from any directory.
+    return os.path.abspath(path)
+
+
 def _common(s: Settings, p: Paths, steps: int, out_dir: Path, logging: int) -> dict:
     sh = s.shape
-    data = {"dataset": {"input_dir": str(p.prefix), "split": SPLIT, "max_seq_len": sh.seq},
+    data = {"dataset": {"input_dir": _abs(p.prefix), "split": SPLIT, "max_seq_len": sh.seq},
             "loader": {"num_workers": 0}}
     return {
         "Global": {"device": s.device, "seed": s.seed, "global_batch_size": sh.batch, "local_batch_size": sh.batch,
                    "micro_batch_size": sh.batch},
         "Engine": {"max_steps": steps, "logging_freq": logging, "eval_freq": max(steps // 4, 1), "eval_iters": 4,
                    "mix_precision": {"enable": False},
-                   "save_load": {"save_steps": max(steps // 4, 1), "output_dir": str(out_dir), "keep_last": 1}},
-        "Data": {"tokenizer": str(p.tokenizer), "Train": data, "Eval": json.loads(json.dumps(data))},
+                   "save_load": {"save_steps": max(steps // 4, 1), "output_dir": _abs(out_dir), "keep_last": 1}},
+        "Data": {"tokenizer": _abs(p.tokenizer), "Train": data, "Eval": json.loads(json.dumps(data))},
     }
 
 
 def write_configs(s: Settings, p: Paths, steps: Steps) -> dict[str, Path]:
-    """pretrain.yaml, qat.yaml, prune.yaml: complete recipes (no _base_), so they run anywhere."""
+    """pretrain.yaml, qat.yaml, prune.yaml: complete recipes (no _base_, absolute paths), so they run
+    from any directory."""
     sh = s.shape
     pre = _common(s, p, steps.pretrain, p.float, max(steps.pretrain // 20, 1))
     pre["Model"] = {"vocab_size": s.vocab_size, "hidden_size": sh.hidden, "num_layers": sh.layers,

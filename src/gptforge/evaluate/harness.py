@@ -14,6 +14,7 @@ offline switches are set before lm-eval and `datasets` are imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -67,9 +68,10 @@ def run_harness(model, tokenizer, tasks: list[str] | str, *, include_path: str |
                 batch_size: int = 8, limit: int | float | None = None, num_fewshot: int | None = None,
                 builtin_tasks: bool = False, output: str | os.PathLike | None = None, tm=None,
                 max_length: int | None = None, vocab_size: int | None = None, amp_dtype=None,
-                echo: bool = True, bootstrap_iters: int = 0) -> dict:
+                echo: bool = True, bootstrap_iters: int = 0, progress: bool = True) -> dict:
     """Run lm-eval `tasks` on our model; returns lm-eval's results dict (plus per-sample
-    metrics under "samples") and writes it as JSON to `output` when given."""
+    metrics under "samples") and writes it as JSON to `output` when given. `progress=False`
+    silences every progress bar: ours, lm-eval's and `datasets`'."""
     _import_lm_eval()
     from lm_eval import evaluator
     from lm_eval.utils import make_table
@@ -85,10 +87,11 @@ def run_harness(model, tokenizer, tasks: list[str] | str, *, include_path: str |
         raise UsageError(f"--harness: unknown task(s) {', '.join(unknown)}; tasks found {where}: {shown}"
                          + ("" if builtin_tasks else " (add --builtin-tasks for lm-eval's own tasks)"))
     lm = lm_class()(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
-                    vocab_size=vocab_size, amp_dtype=amp_dtype)
-    res = evaluator.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
-                                    num_fewshot=num_fewshot, log_samples=True,
-                                    bootstrap_iters=bootstrap_iters)
+                    vocab_size=vocab_size, amp_dtype=amp_dtype, progress=progress)
+    with contextlib.nullcontext() if progress else _no_progress_bars():
+        res = evaluator.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
+                                        num_fewshot=num_fewshot, log_samples=True,
+                                        bootstrap_iters=bootstrap_iters)
     res["samples"] = {task: [_sample_summary(s) for s in samples]
                       for task, samples in (res.get("samples") or {}).items()}
     if echo:
@@ -103,6 +106,33 @@ def run_harness(model, tokenizer, tasks: list[str] | str, *, include_path: str |
         if echo:
             print(f"results written to {output}")
     return res
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Silence lm-eval's and `datasets`' progress bars for one run. `datasets` has a switch;
+    lm-eval has none for the bar of `Task.build_all_requests` (and calls `loglikelihood`
+    without `disable_tqdm`), so the `tqdm` its two API modules imported is swapped, for the
+    duration only, for a subclass that is always disabled."""
+    import datasets
+    from lm_eval.api import model as lm_model
+    from lm_eval.api import task as lm_task
+
+    class _Disabled(lm_task.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    saved = lm_task.tqdm, lm_model.tqdm
+    datasets.disable_progress_bars()
+    lm_task.tqdm = lm_model.tqdm = _Disabled
+    try:
+        yield
+    finally:
+        lm_task.tqdm, lm_model.tqdm = saved
+        if bars_were_on:
+            datasets.enable_progress_bars()
 
 
 def _sample_summary(s: dict[str, Any]) -> dict[str, Any]:

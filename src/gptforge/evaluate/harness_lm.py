@@ -28,7 +28,7 @@ class GPTForgeLM(TemplateLM):
     def __init__(self, model: torch.nn.Module | None = None, tokenizer=None, ckpt: str | None = None,
                  batch_size: int | str = 8, max_length: int | None = None, vocab_size: int | None = None,
                  amp_dtype: torch.dtype | None = None, device: str | None = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **_ignored: Any):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, progress: bool = True, **_ignored: Any):
         super().__init__()
         if model is None:
             if ckpt is None:
@@ -43,6 +43,7 @@ class GPTForgeLM(TemplateLM):
         self.vocab_size = vocab_size
         self.amp_dtype = amp_dtype
         self._max_gen_toks = int(max_gen_toks)
+        self.progress = progress  # False: no bars, whatever lm-eval's disable_tqdm says
         self._device = model_device(model)
 
     # --------------------------------------------------------------- lm-eval's properties
@@ -89,7 +90,7 @@ class GPTForgeLM(TemplateLM):
         scored = score_sequences(self.model, seqs, first, batch_size=self.batch_size,
                                  max_tokens=self.batch_size * L, pad_id=self.eot_token_id,
                                  vocab_size=self.vocab_size, amp_dtype=self.amp_dtype,
-                                 progress=not disable_tqdm, desc="loglikelihood")
+                                 progress=self.progress and not disable_tqdm, desc="loglikelihood")
         out = []
         for (key, _, _), s in zip(requests, scored, strict=True):
             answer = (s.logprob, s.greedy)
@@ -124,7 +125,7 @@ class GPTForgeLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
-        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
+        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm or not self.progress)
         eos_text = self.tok_decode([self.eot_token_id])
         for idx in groups.values():
             kw = dict(requests[idx[0]].args[1])

@@ -69,7 +69,8 @@ def run_eval(cfg, model: torch.nn.Module, tokenizer, *, output: str | os.PathLik
     t0 = time.perf_counter()
     try:
         if oe.cloze_eval:
-            res = evaluate_lambada(model, tokenizer, oe.eval_path, oe.batch_size, oe.max_seq_len, **common)
+            res = evaluate_lambada(model, tokenizer, oe.eval_path, oe.batch_size, oe.max_seq_len,
+                                   split_rule=oe.lambada_split, **common)
         else:
             res = evaluate_wikitext(model, tokenizer, oe.eval_path, oe.max_seq_len, oe.overlapping_eval,
                                     oe.batch_size, **common)
