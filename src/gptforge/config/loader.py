@@ -319,6 +319,45 @@ def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
             raise ConfigError(f"Model.{key}: must be in [0, 1), got {p}")
 
 
+def resolve_finetune_keys(cfg: Config) -> None:
+    """The fine-tuning recipes' keys (`gptforge finetune`): a GLUE split name where pretraining
+    has split weights, the fractional warmup of LinearDecayWithWarmup, the epoch run mode."""
+    for split in ("Train", "Eval", "Test"):
+        ds = getattr(cfg.Data, split).dataset
+        key = f"Data.{split}.dataset.split"
+        if isinstance(ds.split, str) and ("," in ds.split or ds.split.strip().isdigit()):
+            ds.split = [part.strip() for part in ds.split.split(",") if part.strip()]
+        if isinstance(ds.split, list):
+            try:
+                ds.split = [int(float(w)) for w in ds.split]
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}: expected three weights like [949, 50, 1] or a split name "
+                                  f"like train / dev, got {ds.split!r}") from None
+        elif not isinstance(ds.split, str) or not ds.split.strip():
+            raise ConfigError(f"{key}: expected three weights like [949, 50, 1] or a split name like train / dev, "
+                              f"got {ds.split!r}")
+        if ds.max_length is not None and ds.max_length <= 0:
+            raise ConfigError(f"Data.{split}.dataset.max_length: must be > 0, got {ds.max_length}")
+    lr = cfg.Optimizer.lr
+    if lr.warmup is not None:
+        if lr.warmup < 0:
+            raise ConfigError(f"Optimizer.lr.warmup: must be >= 0, got {lr.warmup}")
+        # LinearDecayWithWarmup: a float below 1 is a fraction of the total steps, else a step count.
+        if lr.warmup < 1:
+            lr.warmup_rate = float(lr.warmup)
+        elif lr.warmup_steps is None:
+            lr.warmup_steps = int(lr.warmup)
+    e = cfg.Engine
+    if e.run_mode not in ("step", "epoch"):
+        raise ConfigError(f"Engine.run_mode: must be step or epoch, got {e.run_mode!r}")
+    if e.num_train_epochs < 1:
+        raise ConfigError(f"Engine.num_train_epochs: must be >= 1, got {e.num_train_epochs}")
+    if e.save_load.save_epoch < 1:
+        raise ConfigError(f"Engine.save_load.save_epoch: must be >= 1, got {e.save_load.save_epoch}")
+    if cfg.Model.num_classes is not None and cfg.Model.num_classes < 1:
+        raise ConfigError(f"Model.num_classes: must be >= 1, got {cfg.Model.num_classes}")
+
+
 def resolve(cfg: Config, world_size: int | None = None) -> Config:
     """Derive what the reference derives; raise ConfigError on inconsistent values."""
     d = cfg.Distributed
@@ -372,8 +411,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     e.accumulate_steps = g.local_batch_size // g.micro_batch_size
     if e.test_iters is None:
         e.test_iters = 10 * e.eval_iters
-    if e.max_steps < 0:
-        raise ConfigError(f"Engine.max_steps: must be >= 0, got {e.max_steps}")
+    if e.max_steps < -1:
+        raise ConfigError(f"Engine.max_steps: must be >= 0 (or -1: derived from epochs / unused), got {e.max_steps}")
     if e.logging_freq < 1:
         raise ConfigError(f"Engine.logging_freq: must be >= 1, got {e.logging_freq}")
     if e.save_load.save_steps is not None and e.save_load.save_steps <= 0:
@@ -389,9 +428,10 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     if mp.level not in ("O1", "O2"):
         raise ConfigError(f"Engine.mix_precision.level: must be O1 or O2, got {mp.level!r}")
 
+    resolve_finetune_keys(cfg)
     lr = cfg.Optimizer.lr
     if lr.decay_steps is None or lr.decay_steps <= 0:
-        lr.decay_steps = max(1, e.max_steps)
+        lr.decay_steps = None if e.max_steps < 0 else max(1, e.max_steps)
     if lr.max_lr < 0 or lr.min_lr < 0:
         raise ConfigError("Optimizer.lr.max_lr / min_lr: must be >= 0")
     if not 0.0 <= lr.warmup_rate <= 1.0:
@@ -408,7 +448,7 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
 
     for split in ("Train", "Eval", "Test"):
         ds = getattr(cfg.Data, split).dataset
-        if len(ds.split) != 3 or any(w < 0 for w in ds.split) or sum(ds.split) <= 0:
+        if isinstance(ds.split, list) and (len(ds.split) != 3 or any(w < 0 for w in ds.split) or sum(ds.split) <= 0):
             raise ConfigError(
                 f"Data.{split}.dataset.split: expected three non-negative weights like [949, 50, 1], got {ds.split}"
             )
@@ -481,6 +521,15 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
 
 def check_train_shapes(cfg: Config) -> None:
     """Checks only a training run needs (other verbs never read Data)."""
+    e = cfg.Engine
+    if e.run_mode == "step" and e.max_steps < 0:
+        raise ConfigError(f"Engine.max_steps: {e.max_steps} needs Engine.run_mode=epoch (length from "
+                          "num_train_epochs); give a step count, e.g. -o Engine.max_steps=1000")
+    for split in ("Train", "Eval"):
+        ds = getattr(cfg.Data, split).dataset
+        if isinstance(ds.split, str):
+            raise ConfigError(f"Data.{split}.dataset.split: {ds.split!r} names a fine-tuning split (gptforge "
+                              "finetune); pretraining splits one corpus by weights like [949, 50, 1]")
     m = cfg.Model
     for split in ("Train", "Eval"):
         seq = getattr(cfg.Data, split).dataset.max_seq_len

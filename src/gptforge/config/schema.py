@@ -53,14 +53,22 @@ class ModelConfig:
     use_flash_attn: bool = False  # accepted; scaled_dot_product_attention picks flash kernels on GPU anyway
     fused_softmax_with_triangular: bool = True  # accepted, no effect
     virtual_pp_degree: int = 1
+    # fine-tuning (gptforge finetune)
+    num_classes: int | None = None  # sequence-classification labels (GPTFinetuneModule)
+    pretrained: str | None = None  # fine-tuning: the weights to start from (a model directory or a .pdparams prefix)
+    loss: dict[str, Any] | None = None  # fine-tuning: {train: {name: CrossEntropyLoss}, eval: {...}}
+    metric: dict[str, Any] | None = None  # fine-tuning: {eval: {name: Accuracy}}
 
 
 @dataclass
 class DatasetConfig:
     name: str = "GPTDataset"
     input_dir: str = "./data/"  # a directory with <prefix>_ids.npy + <prefix>_idx.npz, a prefix, or "builtin"
-    split: list[int] = field(default_factory=lambda: [949, 50, 1])  # also '949,50,1'
+    split: Any = field(default_factory=lambda: [949, 50, 1])  # three weights [949, 50, 1] (also '949,50,1'); a GLUE split name (train, dev, ...) for fine-tuning
     max_seq_len: int = 1024
+    # fine-tuning (gptforge finetune)
+    root: str | None = None  # GLUE: the task's directory of TSV files
+    max_length: int | None = None  # GLUE: tokens per example (truncate / pad)
 
 
 @dataclass
@@ -68,6 +76,8 @@ class SamplerConfig:
     name: str = "GPTBatchSampler"
     shuffle: bool = False  # accepted; order comes from the dataset's shuffle_idx
     drop_last: bool = True
+    # fine-tuning (gptforge finetune)
+    batch_size: int | None = None  # DistributedBatchSampler: samples per rank per step
 
 
 @dataclass
@@ -101,6 +111,8 @@ class LRConfig:
     max_lr: float = 5.0e-5
     min_lr: float = 1.0e-5
     use_increments: bool = True  # schedule measured in samples; False keeps lr at max_lr (the reference would keep 0)
+    # fine-tuning (gptforge finetune)
+    warmup: float | None = None  # LinearDecayWithWarmup: < 1 a fraction of the total steps (sets warmup_rate), else steps (sets warmup_steps)
 
 
 @dataclass
@@ -135,7 +147,7 @@ class MixPrecisionConfig:
 @dataclass
 class SaveLoadConfig:
     save_steps: int | None = 1000  # blank or -1: only at the end
-    save_epoch: int = 1
+    save_epoch: int = 1  # run_mode epoch: save every N epochs (gptforge finetune)
     output_dir: str = "./output"
     ckpt_dir: str | None = None  # resume from this training checkpoint
     keep_last: int | None = None  # keep only the newest N step checkpoints
@@ -143,12 +155,12 @@ class SaveLoadConfig:
 
 @dataclass
 class EngineConfig:
-    run_mode: str = "step"
-    max_steps: int = 500000
-    num_train_epochs: int = 1
+    run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
+    max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
+    num_train_epochs: int = 1  # run_mode epoch: passes over the training set (gptforge finetune)
     accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
     logging_freq: int = 1
-    eval_freq: int = 500  # <= 0: never
+    eval_freq: int = 500  # <= 0: never; in epochs under run_mode epoch
     eval_iters: int = 10
     test_iters: int | None = None  # derived: 10 * eval_iters
     mix_precision: MixPrecisionConfig = field(default_factory=MixPrecisionConfig)
