@@ -38,6 +38,7 @@ class GlueTask:
     num_classes: int = 2
     metric: str = "Accuracy"  # Accuracy | Mcc | AccuracyAndF1 | PearsonAndSpearman
     headerless: tuple[str, ...] = ()  # file names without a header row
+    strip: bool = False  # strip the text's spaces (the reference does for SST-2, whose lines end in one)
     aliases: tuple[str, ...] = field(default=())
 
     @property
@@ -58,7 +59,7 @@ TASKS: dict[str, GlueTask] = {t.name: t for t in (
              text_a=("sentence", 3), text_b=None, label=(1,), metric="Mcc",
              headerless=("train.tsv", "dev.tsv", "in_domain_train.tsv", "in_domain_dev.tsv", "out_of_domain_dev.tsv")),
     GlueTask("SST2", {"train": ("train.tsv",), "dev": ("dev.tsv",), "test": ("test.tsv",)},
-             text_a=("sentence",), text_b=None, label=("label",), aliases=("SST-2",)),
+             text_a=("sentence",), text_b=None, label=("label",), strip=True, aliases=("SST-2",)),
     GlueTask("MRPC", {"train": ("train.tsv", "msr_paraphrase_train.txt"), "dev": ("dev.tsv",),
                       "test": ("test.tsv", "msr_paraphrase_test.txt")},
              text_a=("#1 String",), text_b=("#2 String",), label=("Quality",), metric="AccuracyAndF1"),
@@ -172,7 +173,8 @@ def read_glue(task: GlueTask, root: str | Path, split: str) -> list[GlueExample]
                                     f"{'a number' if task.regression else 'an integer'}") from None
                 if not task.regression and not 0 <= label < task.num_classes:
                     raise DataError(f"{path}:{lineno}: label {label} outside 0..{task.num_classes - 1}")
-        out.append(GlueExample(row[ia].strip(), row[ib].strip() if ib is not None else None, label))
+        a, b = row[ia], row[ib] if ib is not None else None
+        out.append(GlueExample(a.strip() if task.strip else a, b, label))
     if not out:
         raise DataError(f"{path}: no {task.name} examples")
     return out
