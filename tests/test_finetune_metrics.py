@@ -26,6 +26,7 @@ def test_accuracy_and_mcc(seed, classes):
     assert M.mcc(pred, label)["mcc"] == pytest.approx(sk.matthews_corrcoef(label, pred), abs=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:A single label was found")
 def test_mcc_degenerate_cases_match_sklearn():
     for pred, label in (([1, 1, 1], [0, 1, 1]), ([0, 0], [0, 0]), ([0, 1, 0, 1], [1, 0, 1, 0])):
         assert M.mcc(np.array(pred), np.array(label))["mcc"] == pytest.approx(

@@ -134,7 +134,7 @@ def finetune_yaml(path: Path, task: str, root: Path, pretrained: Path, out: Path
                   "loss": {"train": {"name": "CrossEntropyLoss"}, "eval": {"name": "CrossEntropyLoss"}},
                   "metric": {"eval": {"name": "Accuracy"}}},
         "Optimizer": {"name": "AdamW", "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-6,
-                      "lr": {"name": "LinearDecayWithWarmup", "warmup": 0.1, "max_lr": 3e-3}},
+                      "lr": {"name": "LinearDecayWithWarmup", "warmup": 0.1, "max_lr": 1e-2}},
         "Data": {s: {"dataset": {"name": task, "root": str(root), "split": sp, "max_length": 32},
                      "sampler": {"name": "DistributedBatchSampler", "batch_size": 8, "shuffle": s == "Train",
                                  "drop_last": s == "Train"},
