@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-POS = ["good", "great", "fine", "nice", "lovely", "superb", "sweet", "bright"]
-NEG = ["bad", "awful", "poor", "dull", "boring", "weak", "sad", "ugly"]
+POS = ["good", "great", "fine", "nice", "lovely", "superb", "sweet", "bright", "happy", "warm", "rich", "clever"]
+NEG = ["bad", "awful", "poor", "dull", "boring", "weak", "sad", "ugly", "cold", "bland", "grim", "messy"]
 NOUNS = ["movie", "film", "story", "show", "book", "play"]
 
 # file layout per task: header (None = header-less) and a row builder (a, b, label) -> columns
@@ -57,7 +57,7 @@ def write_split(root: Path, task: str, split: str, rows: list[tuple], labels: bo
     return path
 
 
-def sentiment_rows(n: int, seed: int, words: tuple[list[str], list[str]] = (POS, NEG)) -> list[tuple]:
+def sentiment_rows(n: int, seed: int, words: tuple[list[str], list[str]] = (POS[:4], NEG[:4])) -> list[tuple]:
     """SST-2-like sentences whose label is the sentiment of one adjective."""
     r = random.Random(seed)
     out = []
@@ -99,8 +99,8 @@ def small_tokenizer():
     """A byte-level BPE that holds each test word as one token (a few hundred ids)."""
     from gptforge.data.tokenizer import train_tokenizer
 
-    words = POS + NEG + NOUNS + ["the", "was", "and", "long", "short", "new", "old", "it", "so", "i", "loved",
-                                 "hated", "show", "film"]
+    words = POS + NEG + NOUNS + ["the", "was", "and", "long", "short", "new", "old", "it", "a", "treat", "mess",
+                                 "show", "film"]
     text = [" ".join(f"{w} {w} the {w}." for w in words)] * 30
     return train_tokenizer(text, vocab_size=384, min_frequency=2, show_progress=False)
 
