@@ -377,5 +377,11 @@ def finetune(cfg: Config, pretrained: str | os.PathLike | None = None, *, device
     dev = _device(device if device is not None else cfg.Global.device)
     seed_everything(cfg.Global.seed)
     clf, cfg, tok = build_classifier(cfg, path, dev, num_classes)
+    # The classifier directories record where their data is: absolute, so that `gptforge eval
+    # --ckpt OUTPUT/epoch_N` finds the dev split from any directory.
+    for ds in (cfg.Data.Train.dataset, cfg.Data.Eval.dataset):
+        if ds.root:
+            ds.root = str(Path(ds.root).expanduser().resolve())
+    cfg.Model.pretrained = str(Path(cfg.Model.pretrained).resolve())
     train, evals = _datasets(cfg, task, tok, clf.gpt.wpe.weight.shape[0])
     return _Run(cfg, clf, tok, task, loss, metric, train, evals, dev, progress, echo).run()
