@@ -289,3 +289,12 @@ def test_onnx_export_equal_logits(tmp_path, trained, run_cli):
         np.testing.assert_allclose(got, ours, atol=1e-4)
     code, out, err = run_cli("export", "--format", "torch", "--ckpt", trained, "--out", tmp_path / "t")
     assert code == 2 and "export a classifier with --format hf or onnx" in err
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mixed_precision_runs(tmp_path, base, sst2, dtype):
+    r = _tiny_run(tmp_path, base, sst2, "Engine.mix_precision.enable=True", f"Engine.mix_precision.dtype={dtype}")
+    assert r.steps == 2 and all(math.isfinite(x) for x in r.losses)
+    assert math.isfinite(r.evals[-1]["dev"]["loss"])
+    clf, *_ = load_classifier(r.checkpoint_dir)
+    assert clf.score.weight.dtype == torch.float32  # master weights stay fp32
