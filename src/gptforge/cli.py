@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "preprocess": ("gptforge.commands.preprocess", "tokenize raw text / jsonl into <prefix>_ids.npy + <prefix>_idx.npz"),
     "tokenizer": ("gptforge.commands.tokenizer", "train or inspect a byte-level BPE tokenizer"),
     "pretrain": ("gptforge.commands.pretrain", "pretrain or continue training a GPT model"),
+    "finetune": ("gptforge.commands.finetune", "fine-tune for GLUE sequence classification (local TSV files)"),
     "generate": ("gptforge.commands.generate", "generate text (sampling, greedy, beam search)"),
     "eval": ("gptforge.commands.eval", "LAMBADA cloze accuracy, WikiText perplexity, lm-eval tasks"),
     "ptq": ("gptforge.commands.ptq", "post-training INT8 quantization (calibrate scales, no training)"),

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "whitespace-separated word, the reference's rule) or lm_eval (lambada_openai's split on ' ', "
                         "example by example)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (lm-eval's and datasets' too)")
+    p.add_argument("--glue-file", metavar="FILE",
+                   help="a fine-tuned classifier (gptforge finetune): score this GLUE TSV (default: "
+                        "Data.Eval.dataset.root + split) with the task metric")
     h = p.add_argument_group("lm-eval (optional extra: pip install 'gptforge[eval]')")
     h.add_argument("--harness", metavar="TASKS", help="comma-separated lm-eval task names to run instead")
     h.add_argument("--include-path", metavar="DIR", help="directory of lm-eval task YAMLs (local data files)")
@@ -49,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.ckpt:
         raise UsageError("give the model to evaluate with --ckpt DIR (ours, an HF GPT-2 directory or a .pdparams)")
     device = select_device(cfg.Global.device)
+    from gptforge.finetune.classifier import is_classifier_dir
+    from gptforge.model_io import resolve_checkpoint_path
+
+    if is_classifier_dir(resolve_checkpoint_path(args.ckpt)) or args.glue_file:
+        return _run_glue(args, cfg, device)
     model, cfg, tok = load_model_and_tokenizer(args, cfg, device=device)
     if args.harness:
         return _run_harness(args, cfg, model, tok)
@@ -77,4 +85,16 @@ def _run_harness(args, cfg, model, tok) -> int:
                 max_length=min(oe.max_seq_len, model_context(model)),
                 vocab_size=tok.vocab_size if args.restrict_vocab else None,
                 amp_dtype=amp_dtype_for(cfg, model_device(model)), progress=not args.no_progress)
+    return 0
+
+
+def _run_glue(args, cfg, device) -> int:
+    from gptforge.evaluate.glue import run_glue_eval
+    from gptforge.finetune.classifier import load_classifier
+
+    if args.harness or args.emulate_reference_aggregation or args.restrict_vocab:
+        raise UsageError("--harness/--emulate-reference-aggregation/--restrict-vocab apply to language models, "
+                         "not to a fine-tuned classifier")
+    clf, cfg, tok, task = load_classifier(args.ckpt, cfg, device=device)
+    run_glue_eval(cfg, clf, tok, task, file=args.glue_file, output=args.output, ckpt=args.ckpt)
     return 0

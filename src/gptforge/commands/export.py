@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         from gptforge.export.hf import parse_size
 
         parse_size(args.max_shard_size)
-    resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
+    ckpt = resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
+    from gptforge.finetune.classifier import is_classifier_dir
     from gptforge.run_lock import lock_output
 
     with lock_output(args.out, "export"):  # a second writer of --out fails at once, naming this one
@@ -90,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         if args.format == "onnx":
             check_export_extra()
         cfg = config_from_args(args)
+        if is_classifier_dir(ckpt):
+            return _classifier(ckpt, cfg, args)
         model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
         # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
         if args.format == "hf":
@@ -135,4 +138,30 @@ def _program(model, cfg, tok, args) -> int:
     gemm = f", int8 GEMMs {c['int8_gemm']}" if c.get("int8_gemm") not in (None, "n/a") else ""
     print(f"gptforge export: {args.format} {r.precision}{src}, {r.num_layers} layers{check}{gemm} "
           f"({r.seconds:.1f} s) -> {r.out_dir}")
+    return 0
+
+
+def _classifier(ckpt, cfg, args) -> int:
+    """A fine-tuned classifier (`gptforge finetune`): GPT2ForSequenceClassification or ONNX logits."""
+    from gptforge.finetune.classifier import load_classifier
+
+    if args.format == "torch":
+        raise UsageError("--format torch exports language models; export a classifier with --format hf or onnx")
+    if args.format == "onnx" and args.precision == "int8":
+        raise UsageError("--precision int8: a classifier exports as fp32 ONNX (quantized weights folded)")
+    clf, cfg, tok, task = load_classifier(ckpt, cfg, device="cpu")
+    if args.format == "hf":
+        from gptforge.export.classifier import save_hf_classifier
+
+        r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
+                               max_shard_size=args.max_shard_size, overwrite=True)
+        print(f"gptforge export: hf GPT2ForSequenceClassification, {r.num_classes} labels, pad_token_id "
+              f"{r.pad_token_id}{f', {r.source_kind} weights folded' if r.source_kind != 'float' else ''} -> {r.out_dir}")
+        return 0
+    from gptforge.export.classifier import export_onnx_classifier
+
+    r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
+    c = r.check
+    check = f"; check: max |logit diff| {c['max_abs_diff']:.2e}" if c else "; not checked"
+    print(f"gptforge export: onnx classifier fp32, {r.num_classes} logits{check} ({r.seconds:.1f} s) -> {r.out_dir}")
     return 0

@@ -211,20 +211,15 @@ class HFExport:
     zero_padded: bool = False  # heads or FFN neurons added as zeros to fit GPT-2's config
 
 
-def save_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *, generation=None, model_cfg=None,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> HFExport:
-    """Write `model` (dense, pruned, fake-quant or INT8) as an HF GPT-2 directory whose
-    logits in `transformers` equal ours (quantized models: with activation quantization
-    off). `generation` is our Generation section (written as generation_config.json);
-    `model_cfg` supplies dropout/init values (default: `model.config`)."""
+def hf_parts(model: nn.Module, tokenizer=None, model_cfg=None) -> tuple[dict[str, torch.Tensor], dict, HFExport]:
+    """(HF GPT-2 tensors, config.json dict, export facts) for `model` (dense, pruned, fake-quant
+    or INT8): quantized weights folded to float, per-layer shapes zero-padded to a uniform one."""
     import dataclasses
 
     from gptforge.export.common import check_plain_linears, fold_quantization, model_kind
     from gptforge.model import convert
-    from gptforge.model_io import atomic_dir
 
     check_plain_linears(model, "the HF export")
-    max_bytes = parse_size(max_shard_size)
     kind = model_kind(model)
     plain = fold_quantization(model)
     sd, n_head, n_inner = padded_state_dict(plain)
@@ -244,11 +239,26 @@ def save_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *, gen
         config["gptforge_pruned_shape"] = {"head_dim": hd, "layer_num_heads": heads, "layer_ffn_sizes": ffns}
     if kind != "float":
         config["gptforge_quantization"] = _quantization_note(model, kind)
-    result = HFExport(str(out_dir), kind, n_head=n_head, n_inner=n_inner, zero_padded=padded)
+    facts = HFExport("", kind, n_head=n_head, n_inner=n_inner, zero_padded=padded)
+    return hf, config, facts
+
+
+def save_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *, generation=None, model_cfg=None,
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> HFExport:
+    """Write `model` (dense, pruned, fake-quant or INT8) as an HF GPT-2 directory whose
+    logits in `transformers` equal ours (quantized models: with activation quantization
+    off). `generation` is our Generation section (written as generation_config.json);
+    `model_cfg` supplies dropout/init values (default: `model.config`)."""
+    from gptforge.model_io import atomic_dir
+
+    max_bytes = parse_size(max_shard_size)
+    hf, config, result = hf_parts(model, tokenizer, model_cfg)
+    result.out_dir = str(out_dir)
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
     with atomic_dir(out_dir, overwrite) as tmp:
         result.files = write_safetensors(hf, tmp, max_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        vocab = int(plain.wte.weight.shape[0])
+        vocab = int(config["vocab_size"])
         unused_ids = range(tokenizer.vocab_size, vocab) if tokenizer is not None else range(0)
         gen = generation_config_dict(generation, eos, unused_ids)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
