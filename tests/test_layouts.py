@@ -317,8 +317,8 @@ def test_overrides_in_every_layout(override, key, value):
 
 
 REFUSED = [  # (document, the one-line error's start)
-    ({"Model": {**SHAPE, "num_experts": 2, "expert_interval": 2}}, "Model.num_experts: Mixture of Experts (MoE) is not supported yet"),
-    ({"Model": {**SHAPE, "moe_configs": {"expert_mode": False}}}, "Model.moe_configs: Mixture of Experts (MoE) is not supported yet"),
+    ({"Model": {**SHAPE, "num_experts": 2, "enable_expert_tensor_parallelism": True}}, "Model.enable_expert_tensor_parallelism: splitting experts over mp is not supported"),
+    ({"Model": {**SHAPE, "moe_configs": {"expert_mode": False}}}, "Model.moe_configs: this MoE layout is not supported"),
     ({"Distillation": {"teacher": "x"}}, "Distillation: knowledge distillation is not supported"),
     ({"Compress": {"Distillation": {"alpha": 1}}}, "Compress.Distillation: knowledge distillation is not supported"),
     ({"Engine": {"distil_weight": 0.5}}, "Engine.distil_weight: knowledge distillation is not supported"),
@@ -379,6 +379,6 @@ def test_cli_config_show_old_layout_and_refusal(tmp_path, run_cli):
     assert code == 0, err
     (tmp_path / "shown.yaml").write_text(out)
     assert load_config(str(tmp_path / "shown.yaml")).to_dict() == load_config(src).to_dict()
-    moe = {"Model": {**SHAPE, "num_experts": 2}}
+    moe = {"Model": {**SHAPE, "moe_configs": {"expert_mode": True}}}
     code, _, err = run_cli("config", "show", "-c", write_case(tmp_path, {"main.yaml": moe}))
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "MoE) is not supported yet" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "this MoE layout is not supported" in err

@@ -38,6 +38,16 @@ ARCH_KEYS = (
     "layer_ffn_sizes",
     "max_position_embeddings",
     "layer_norm_epsilon",
+    # MoE routing: a checkpoint computes as it was trained
+    "num_experts",
+    "expert_interval",
+    "topk",
+    "moe_gate",
+    "moe_use_residual",
+    "moe_train_capacity_factor",
+    "moe_eval_capacity_factor",
+    "moe_min_capacity",
+    "moe_token_dropping",
 )
 
 
@@ -437,6 +447,41 @@ def resolve_model(m: ModelConfig, mp_degree: int = 1) -> None:
         p = getattr(m, key)
         if not 0.0 <= p < 1.0:
             raise ConfigError(f"Model.{key}: must be in [0, 1), got {p}")
+    _resolve_moe(m)
+
+
+MOE_GATES = ("switch", "gshard", "naive")
+
+
+def _resolve_moe(m: ModelConfig) -> None:
+    counts = list(m.num_experts or [1])
+    if any(n < 1 for n in counts):
+        raise ConfigError(f"Model.num_experts: every entry must be >= 1, got {counts}")
+    if m.expert_interval < 1:
+        raise ConfigError(f"Model.expert_interval: must be >= 1, got {m.expert_interval}")
+    n_moe = m.num_layers // m.expert_interval
+    if len(counts) not in (1, n_moe):
+        raise ConfigError(f"Model.num_experts: {len(counts)} values; give one, or one per MoE layer "
+                          f"({n_moe}: num_layers {m.num_layers} / expert_interval {m.expert_interval})")
+    if m.enable_expert_tensor_parallelism:
+        raise ConfigError("Model.enable_expert_tensor_parallelism: splitting experts over mp is not supported; "
+                          "set it to false (experts are split over Distributed.ep_degree instead)")
+    if m.moe_gate is None:
+        m.moe_gate = "gshard" if m.topk == 2 else "switch"
+    if m.moe_gate not in MOE_GATES:
+        raise ConfigError(f"Model.moe_gate: {m.moe_gate!r} is not one of {', '.join(MOE_GATES)}"
+                          f"{_suggest(m.moe_gate, MOE_GATES, '')}")
+    want = {"switch": (1,), "gshard": (2,)}.get(m.moe_gate)
+    if want and m.topk not in want:
+        raise ConfigError(f"Model.topk: the {m.moe_gate} gate routes each token to {want[0]} expert(s), got "
+                          f"topk={m.topk}; set topk={want[0]} or Model.moe_gate=naive")
+    if not 1 <= m.topk <= max(counts) and max(counts) > 1:
+        raise ConfigError(f"Model.topk: must be in [1, num_experts={max(counts)}], got {m.topk}")
+    for key in ("moe_train_capacity_factor", "moe_eval_capacity_factor"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"Model.{key}: must be > 0, got {getattr(m, key)}")
+    if m.moe_min_capacity < 0:
+        raise ConfigError(f"Model.moe_min_capacity: must be >= 0, got {m.moe_min_capacity}")
 
 
 def resolve_layout_keys(cfg: Config) -> None:

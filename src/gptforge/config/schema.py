@@ -55,6 +55,18 @@ class ModelConfig:
     virtual_pp_degree: int = 1
     recompute_layers: list[int] | None = None  # old layout: layers to recompute (blank = all); becomes no_recompute_layers
     recompute_start_layer: int | None = None  # old layout: recompute layers >= this index; becomes no_recompute_layers
+    # Mixture of Experts (the reference's pretrain_moe layout; docs/moe.md)
+    num_experts: list[int] = field(default_factory=lambda: [1])  # experts per MoE layer: one value, or one per MoE layer ('2,' = [2]); 1 = dense model
+    expert_interval: int = 1  # layer i (0-based) is MoE when (i + 1) % expert_interval == 0
+    topk: int = 1  # experts per token (1 or 2; naive gate: any k <= num_experts)
+    moe_gate: str | None = None  # switch (top-1) | gshard (top-2) | naive (top-k, no capacity, no aux loss); derived from topk
+    moe_use_residual: bool = False  # Residual MoE: a dense FFN beside the experts, mixed by a learned 2-way softmax
+    moe_train_capacity_factor: float = 1.0  # expert capacity = ceil(tokens * topk / num_experts * factor) in training
+    moe_eval_capacity_factor: float = 1.0  # the same for eval / generate
+    moe_min_capacity: int = 4  # capacity never below this many tokens per expert
+    moe_token_dropping: bool = True  # drop assignments past capacity (their FFN output is 0; the residual carries them); False = no limit
+    balance_loss_weight: float = 0.01  # weight of the mean per-layer load-balancing loss added to the training loss
+    enable_expert_tensor_parallelism: bool = False  # accepted when false; true (experts split over mp) is refused
     # fine-tuning (gptforge finetune)
     num_classes: int | None = None  # sequence-classification labels (GPTFinetuneModule)
     pretrained: str | None = None  # fine-tuning: the weights to start from (a model directory or a .pdparams prefix)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptforge.config.schema import ModelConfig
+from gptforge.model.moe import MoEFFN, init_moe_, layer_experts
 
 
 class KVCache:
@@ -98,20 +99,26 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, heads: int, ffn: int, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, heads: int, ffn: int, layer_idx: int, experts: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.norm1 = nn.LayerNorm(h, eps=cfg.layer_norm_epsilon)
         self.attn = SelfAttention(h, heads, cfg.head_dim, cfg.attention_probs_dropout_prob, layer_idx)
         self.norm2 = nn.LayerNorm(h, eps=cfg.layer_norm_epsilon)
-        self.linear1 = nn.Linear(h, ffn)
-        self.linear2 = nn.Linear(ffn, h)
+        # An MoE layer (model/moe.py) has `moe` in place of linear1/linear2.
+        self.moe = MoEFFN(h, ffn, experts, cfg) if experts else None
+        if self.moe is None:
+            self.linear1 = nn.Linear(h, ffn)
+            self.linear2 = nn.Linear(ffn, h)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x, mask=None, is_causal=True, cache: KVCache | None = None):
         x = x + self.dropout(self.attn(self.norm1(x), mask, is_causal, cache))
+        h = self.norm2(x)
+        if self.moe is not None:
+            return x + self.dropout(self.moe(h))
         # No dropout between GELU and linear2 (spec §1.1).
-        return x + self.dropout(self.linear2(F.gelu(self.linear1(self.norm2(x)), approximate="tanh")))
+        return x + self.dropout(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
 
 
 def layer_shapes(cfg: ModelConfig) -> tuple[list[int], list[int]]:
@@ -132,10 +139,11 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig is not resolved: call gptforge.config.resolve_model(cfg) first")
         self.config = cfg
         heads, ffns = layer_shapes(cfg)
+        experts = layer_experts(cfg)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.hidden_dropout_prob)
-        self.blocks = nn.ModuleList(Block(cfg, heads[i], ffns[i], i) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, heads[i], ffns[i], i, experts[i]) for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
         if self.wte.weight.device.type != "meta":
             self.reset_parameters()
@@ -148,8 +156,10 @@ class GPT(nn.Module):
         nn.init.normal_(self.wte.weight, 0.0, std)
         nn.init.normal_(self.wpe.weight, 0.0, std)
         for blk in self.blocks:
-            for lin, s in ((blk.attn.qkv_proj, std), (blk.attn.out_proj, out_std),
-                           (blk.linear1, std), (blk.linear2, out_std)):
+            ffn = ((blk.linear1, std), (blk.linear2, out_std)) if blk.moe is None else ()
+            if blk.moe is not None:
+                init_moe_(blk.moe, std, out_std)
+            for lin, s in ((blk.attn.qkv_proj, std), (blk.attn.out_proj, out_std), *ffn):
                 nn.init.normal_(lin.weight, 0.0, s)
                 nn.init.zeros_(lin.bias)
             for ln in (blk.norm1, blk.norm2):

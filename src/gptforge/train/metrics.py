@@ -72,8 +72,11 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     for name, p in model.named_parameters():
         # Every 2-D weight is a matmul operand except the position table (a lookup). The word
         # table is the tied LM head: counted once, as the head's matmul.
-        if p.ndim == 2 and not name.endswith("wpe.weight"):
+        if p.ndim == 2 and not name.endswith("wpe.weight") and not name.endswith("_bias"):
             matmul += p.numel()
+        elif p.ndim == 3:  # stacked MoE experts [E, in, out]: a token runs through topk of them
+            k = getattr(getattr(model, "config", None), "topk", 1)
+            matmul += p.numel() * min(k, p.shape[0]) // p.shape[0]
     cfg = getattr(model, "config", None)
     attn = 0
     if cfg is not None:
@@ -98,6 +101,44 @@ def train_line(epoch: int, epochs: int, step: int, total_steps: int, loss: float
             f"avg_batch_cost: {batch_cost:.5f} sec, speed: {speed:.2f} step/s, "
             f"ips_total: {ips_total:.0f} tokens/s, ips: {ips_total / data_world:.0f} tokens/s, "
             f"{scale}learning rate: {lr:.5e}, found_inf: {found_inf:.0f}")
+
+
+class MoEWindow:
+    """Routing statistics of an MoE model summed over a logging window (this rank's tokens):
+    assignments per expert per MoE layer, dropped assignments, the mean balancing loss."""
+
+    def __init__(self):
+        self.counts: list[list[int]] | None = None
+        self.dropped, self.aux, self.n = 0, 0.0, 0
+
+    def add(self, stats: dict | None) -> None:
+        """One forward's `gptforge.model.moe.load_stats`."""
+        if stats is None:
+            return
+        if self.counts is None:
+            self.counts = [list(c) for c in stats["tokens_per_expert"]]
+        else:
+            self.counts = [[a + b for a, b in zip(x, y, strict=True)]
+                           for x, y in zip(self.counts, stats["tokens_per_expert"], strict=True)]
+        self.dropped += stats["dropped"]
+        self.aux += stats["aux_loss"] or 0.0
+        self.n += 1
+
+    def values(self) -> dict:
+        total = sum(sum(c) for c in self.counts or [])
+        return {"moe_tokens_per_expert": self.counts, "moe_dropped": self.dropped,
+                "moe_dropped_frac": self.dropped / total if total else 0.0,
+                "moe_aux_loss": self.aux / self.n if self.n else 0.0}
+
+    def line(self) -> str:
+        """`[moe] aux_loss: …, dropped: N (p%), tokens per expert: [..] [..]` (one list per MoE layer)."""
+        v = self.values()
+        lists = " ".join("[" + " ".join(str(c) for c in layer) + "]" for layer in self.counts or [])
+        return (f"[moe] aux_loss: {v['moe_aux_loss']:.6f}, dropped: {v['moe_dropped']} "
+                f"({100 * v['moe_dropped_frac']:.2f}%), tokens per expert: {lists}")
+
+    def reset(self) -> None:
+        self.__init__()
 
 
 def eval_line(epoch: int, batch: int, total: int, loss: float, cost: float) -> str:

@@ -37,7 +37,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        decay = p.ndim >= 2
+        # Stacked MoE expert biases ([E, out], model/moe.py) are biases too: no decay.
+        decay = p.ndim >= 2 and not name.endswith("_bias")
         mult = float(getattr(p, "lr_mult", 1.0))
         key = (mult, decay)
         if key not in groups:

@@ -28,9 +28,11 @@ from torch import nn
 
 from gptforge.config.schema import Config
 from gptforge.errors import ConfigError, GPTForgeError, UsageError
+from gptforge.model import moe
 from gptforge.train import checkpoint as ckpt
 from gptforge.train import dist_checkpoint as dist_ckpt
 from gptforge.train.metrics import (
+    MoEWindow,
     RunLogger,
     device_name,
     eval_line,
@@ -236,6 +238,7 @@ class Trainer:
                                   f"{meta['global_batch_size']} ({self.resume_dir}); resume with the same batch size")
         self.progress, self.echo = progress, echo
         self.flops_per_token = train_flops_per_token(model, cfg.Data.Train.dataset.max_seq_len)
+        self.moe_window = MoEWindow() if moe.moe_layers(model) else None
         self.peak = peak_flops(self.device, self.precision.name)
 
     # ------------------------------------------------------------------------- setup
@@ -315,6 +318,12 @@ class Trainer:
         for i, mb in enumerate(micro):
             with self.par.no_sync(model, i == self.acc - 1):
                 loss = self._forward_loss(mb, model)
+                if self.moe_window is not None:
+                    # The reference adds weight x the mean per-layer balancing loss to the loss.
+                    aux = moe.aux_loss(model)
+                    if aux is not None and self.cfg.Model.balance_loss_weight:
+                        loss = loss + self.cfg.Model.balance_loss_weight * aux
+                    self.moe_window.add(moe.load_stats(model))
                 self.precision.backward(loss / self.acc)
             total += loss.detach().float()
         self.par.finish_backward(self.params)
@@ -471,7 +480,11 @@ class Trainer:
                     log.record("train", self.step, {
                         "loss": mean_loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                         "found_inf": window_inf, "loss_scale": stats["loss_scale"], "step_time": cost,
-                        "tokens_per_s": tps, "mfu": mfu, "consumed_samples": self.step * self.gbs})
+                        "tokens_per_s": tps, "mfu": mfu, "consumed_samples": self.step * self.gbs,
+                        **(self.moe_window.values() if self.moe_window is not None else {})})
+                    if self.moe_window is not None:
+                        log.info(self.moe_window.line())
+                        self.moe_window.reset()
                     log.progress(self.step, mean_loss)
                     window_loss, window_inf, window_steps, t_window = 0.0, 0, 0, now
                 if self._eval_enabled() and self.step % e.eval_freq == 0:
