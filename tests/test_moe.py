@@ -195,3 +195,18 @@ def test_moe_trains_logs_balance_and_resumes_bit_exactly(tmp_path):
     assert b.losses == a.losses[4:]
     weights = [load_file(str(tmp_path / r / "out" / "step_6" / "model.safetensors")) for r in "ab"]
     assert state_equal(*weights)
+
+
+def test_compression_refuses_moe_models_in_one_line():
+    from gptforge.compress.prune import prune_model
+    from gptforge.compress.quant import quantize_model
+    from gptforge.train.parallel_wrap import check_tp_modules
+
+    cfg = tiny_config(*MOE)
+    model = build_model(cfg.Model)
+    with pytest.raises(ConfigError, match="quantization .* of Mixture-of-Experts models is not supported"):
+        quantize_model(model, cfg.Compress.Quantization)
+    with pytest.raises(ConfigError, match="structured pruning of Mixture-of-Experts models is not supported"):
+        prune_model(model, cfg.Compress.Prune)
+    with pytest.raises(ConfigError, match="Distributed.mp_degree: blocks.0 is an MoE layer"):
+        check_tp_modules(model)

@@ -203,6 +203,9 @@ def prune_model(model: nn.Module, pcfg, batches: Iterable[dict] | None = None,
     `batches` (calibration data) are needed by the `taylor` and `activation` criteria.
     The model's own `config` is updated; copy it into the run config with `record_shape`.
     """
+    from gptforge.compress.quant import refuse_moe
+
+    refuse_moe(model, "structured pruning")
     check_criterion(pcfg.criterion)
     head_ratio = pcfg.ratio if pcfg.head_ratio is None else pcfg.head_ratio
     ffn_ratio = pcfg.ratio if pcfg.ffn_ratio is None else pcfg.ffn_ratio

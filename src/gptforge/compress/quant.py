@@ -348,6 +348,15 @@ def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, mod)
 
 
+def refuse_moe(model: nn.Module, what: str) -> None:
+    """Compression handles dense FFNs only: an MoE model stops in one line (docs/moe.md)."""
+    from gptforge.model.moe import moe_layers
+
+    if moe_layers(model):
+        raise ConfigError(f"Model.num_experts: {what} of Mixture-of-Experts models is not supported; "
+                          "compress a dense model (num_experts=1)")
+
+
 def quantize_model(model: nn.Module, qcfg: QuantizationConfig) -> nn.Module:
     """Insert fake-quant modules into `model` in place (see the module docstring); returns it.
 
@@ -358,6 +367,7 @@ def quantize_model(model: nn.Module, qcfg: QuantizationConfig) -> nn.Module:
     """
     if not hasattr(model, "blocks"):
         raise TypeError(f"quantize_model expects a gptforge GPT, got {type(model).__name__}")
+    refuse_moe(model, "quantization (QAT, PTQ, analyze)")
     validate_config(qcfg, len(model.blocks))
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("the model is already quantized")

@@ -97,6 +97,9 @@ def check_plain_linears(model: nn.Module, what: str) -> None:
 
     known = (nn.Linear, QuantLinear, Int8Linear)
     for i, blk in enumerate(model.blocks):
+        if getattr(blk, "moe", None) is not None:
+            raise UsageError(f"blocks.{i} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
+                             "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
         for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
             mod = blk.get_submodule(name)
             if not isinstance(mod, known):

@@ -170,6 +170,9 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float) -> tor
 def check_tp_modules(model: nn.Module) -> None:
     """Tensor parallel splits plain nn.Linear layers; swapped modules (fake-quant, INT8) cannot be split."""
     for i, blk in enumerate(model.blocks):
+        if getattr(blk, "moe", None) is not None:
+            raise ConfigError(f"Distributed.mp_degree: blocks.{i} is an MoE layer; tensor parallel does not split "
+                              "experts (train MoE models with data parallel and Distributed.ep_degree)")
         for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
             m = blk.get_submodule(name)
             if type(m) is not nn.Linear:
