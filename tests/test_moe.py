@@ -92,6 +92,19 @@ def test_bad_moe_keys_are_one_line(over, msg):
         tiny_config(*over)
 
 
+@pytest.mark.parametrize("over, msg", [
+    (("Model.num_experts=3", "Distributed.ep_degree=2"), "must divide every Model.num_experts"),
+    (("Model.num_experts=4", "Distributed.ep_degree=2", "Distributed.mp_degree=2"), "composes with data parallel only"),
+    (("Model.num_experts=4", "Distributed.ep_degree=4"), "must divide dp_degree=2"),
+])
+def test_bad_expert_parallel_layouts_are_one_line(over, msg):
+    from gptforge.config.loader import check_distributed
+
+    with pytest.raises(ConfigError, match=msg):
+        world = 4 if "Distributed.mp_degree=2" in over else 2
+        check_distributed(tiny_config(*over, "Distributed.dp_degree=2"), world_size=world)
+
+
 def routed(gate: str, k: int, n_tokens: int = 64, experts: int = 4, factor: float = 1.0, drop: bool = True,
            train: bool = False):
     cfg = tiny_config(f"Model.num_experts={experts}", f"Model.topk={k}", f"Model.moe_gate={gate}",
@@ -128,7 +141,7 @@ def test_switch_gate_capacity_and_token_order():
     dropped = sum(max(0, s - cap) for s in seen)
     assert int(m.dropped) == dropped and m.tokens_per_expert.tolist() == seen
     frac = torch.tensor(seen, dtype=torch.float) / 64
-    assert float(m.aux_loss.detach()) == pytest.approx(float((probs.mean(0) * frac).sum() * 4), rel=1e-5)
+    assert float(m.aux_loss.detach()) == pytest.approx(float((probs.mean(0) * frac).sum().detach() * 4), rel=1e-5)
     # without dropping nothing is lost
     m2, x2, y2 = routed("switch", 1, factor=1.0, drop=False)
     assert int(m2.dropped) == 0

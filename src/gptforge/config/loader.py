@@ -727,6 +727,18 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
             f"Distributed.dp_degree={dp}: needs {dp * others} processes (dp_degree x mp_degree x pp_degree x "
             f"sharding_degree) but WORLD_SIZE is {world}; leave dp_degree blank (it becomes {world // others}) "
             f"or launch {dp * others} processes")
+    if d.ep_degree < 1:
+        raise ConfigError(f"Distributed.ep_degree: must be >= 1, got {d.ep_degree}")
+    if d.ep_degree > 1:
+        if d.mp_degree > 1 or sh > 1:
+            raise ConfigError(f"Distributed.ep_degree={d.ep_degree}: expert parallel composes with data parallel "
+                              "only; set Distributed.mp_degree=1 and sharding.sharding_degree=1")
+        if dp % d.ep_degree:
+            raise ConfigError(f"Distributed.ep_degree={d.ep_degree}: must divide dp_degree={dp}")
+        bad = sorted({n for n in (m.num_experts or [1]) if n % d.ep_degree})
+        if bad or max(m.num_experts or [1]) <= 1:
+            raise ConfigError(f"Distributed.ep_degree={d.ep_degree}: must divide every Model.num_experts "
+                              f"(got {m.num_experts}) of an MoE model")
     if m.sequence_parallel and d.mp_degree <= 1:
         raise ConfigError("Model.sequence_parallel: needs Distributed.mp_degree > 1 (it splits the activations "
                           "of a tensor-parallel group); set Model.sequence_parallel=False")

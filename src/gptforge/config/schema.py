@@ -218,6 +218,7 @@ class DistributedConfig:
     pp_recompute_interval: int = 1
     fuse_sequence_parallel_allreduce: bool = False
     backend: str | None = None  # nccl | gloo (derived from the device)
+    ep_degree: int = 1  # expert parallel: each MoE layer's experts split over this many data ranks (divides dp_degree and num_experts)
     sharding_in_dp: bool = False  # auto-parallel recipes (set for them): dp_degree counts the sharding ranks too (world = dp x mp x pp); applied, then reset
 
 

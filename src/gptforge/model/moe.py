@@ -68,8 +68,13 @@ class ExpertFFNs(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `x` grouped by expert (`counts[e]` rows for expert e, in order) → FFN outputs."""
-        h = grouped_linear(x, self.linear1_weight, self.linear1_bias, counts)
-        return grouped_linear(F.gelu(h, approximate="tanh"), self.linear2_weight, self.linear2_bias, counts)
+        return expert_ffn(x, counts, self.linear1_weight, self.linear1_bias, self.linear2_weight, self.linear2_bias)
+
+
+def expert_ffn(x: torch.Tensor, counts: list[int], w1, b1, w2, b2) -> torch.Tensor:
+    """GELU(tanh) FFN of stacked experts over rows grouped by expert."""
+    h = grouped_linear(x, w1, b1, counts)
+    return grouped_linear(F.gelu(h, approximate="tanh"), w2, b2, counts)
 
 
 GROUPED_MM = hasattr(torch, "_grouped_mm")  # tests switch it off to compare with the loop

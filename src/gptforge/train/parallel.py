@@ -42,6 +42,8 @@ class ParallelContext:
     sharding_stage: int = 2
     sharding_offload: bool = False
     data_group: Any = None  # ranks holding the same model slice (same mp rank); None = WORLD
+    ep_degree: int = 1  # expert parallel (train/parallel_ep.py): experts split over this many data ranks
+    ep_mesh: Any = None  # ("edp", "ep") over the data ranks when ep_degree > 1
     _ddp: Any = None
     _fsdp_root: Any = None
 
@@ -79,12 +81,15 @@ class ParallelContext:
         t = self.topo
         parts = [f"dp {t.dp}", f"sharding {t.sharding}" + (f" (stage {self.sharding_stage})" if t.sharding > 1 else ""),
                  f"mp {t.mp}" + (" + sequence parallel" if self.sequence_parallel else "")]
+        if self.ep_degree > 1:
+            parts.append(f"ep {self.ep_degree} (experts over data ranks)")
         return (f"distributed: {t.world_size} processes ({dist.get_backend()}), {self.strategy}: "
                 + " x ".join(parts) + f"; rank {t.rank} reads data slice {t.data_rank} of {t.data_world_size}")
 
     def record(self) -> dict:
         """The layout a checkpoint records (resume restores per-rank RNG only into the same one)."""
-        return {"world_size": self.world_size, **self.topo.degrees(), "strategy": self.strategy}
+        return {"world_size": self.world_size, **self.topo.degrees(), "ep_degree": self.ep_degree,
+                "strategy": self.strategy}
 
     # ------------------------------------------------------------------ wrapping
 
@@ -132,6 +137,10 @@ class ParallelContext:
     def finish_backward(self, params: list[torch.Tensor]) -> None:
         """After the last micro-batch: finish the gradient reductions no wrapper did during
         backward (sequence-parallel LayerNorm gradients, tensor parallel + plain data parallel)."""
+        if self.ep_mesh is not None:
+            from gptforge.train.parallel_ep import finish_expert_grads
+
+            finish_expert_grads(self.unwrap(self._ddp or self._fsdp_root), self.ep_mesh, self.data_world_size)
         if self.strategy.startswith("tp"):
             from gptforge.train.parallel_wrap import allreduce_grads, reduce_partial_grads
 
@@ -212,10 +221,17 @@ def init_parallel(cfg: Config, device: torch.device | str = "cpu") -> ParallelCo
     device = dist_env.rank_device(device, local_rank)
     dist_env.init_process_group(cfg, device, topo)
     sh = cfg.Distributed.sharding
+    ep = cfg.Distributed.ep_degree
+    ep_mesh = None
+    if ep > 1:
+        from gptforge.train.parallel_ep import ep_mesh as build_ep_mesh
+
+        ep_mesh = build_ep_mesh(topo.data_world_size, ep, device)
     return ParallelContext(topo=topo, device=device, mesh=dist_env.build_mesh(topo, device), strategy=_strategy(topo),
                            seed=dist_env.dropout_seed(cfg.Global.seed, topo),
                            sequence_parallel=cfg.Model.sequence_parallel, sharding_stage=sh.sharding_stage,
-                           sharding_offload=sh.sharding_offload, data_group=dist_env.data_group(topo))
+                           sharding_offload=sh.sharding_offload, data_group=dist_env.data_group(topo),
+                           ep_degree=ep, ep_mesh=ep_mesh)
 
 
 def _strategy(topo: Topology) -> str:

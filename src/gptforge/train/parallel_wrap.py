@@ -27,6 +27,12 @@ def wrap_model(ctx, model: nn.Module) -> nn.Module:
     if topo.dp > 1 and topo.mp == 1:
         from torch.nn.parallel import DistributedDataParallel
 
+        if ctx.ep_mesh is not None:
+            from gptforge.train.parallel_ep import apply_expert_parallel
+
+            # Expert shards differ per rank: DDP must neither broadcast nor average them.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, apply_expert_parallel(model, ctx.ep_mesh))
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # DDP broadcasts the parameters from rank 0 here and all-reduces gradients in buckets
         # during backward.
