@@ -223,3 +223,14 @@ def test_compression_refuses_moe_models_in_one_line():
         prune_model(model, cfg.Compress.Prune)
     with pytest.raises(ConfigError, match="Distributed.mp_degree: blocks.0 is an MoE layer"):
         check_tp_modules(model)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_bf16_autocast_forward_and_backward(monkeypatch, grouped):
+    monkeypatch.setattr(moe_mod, "GROUPED_MM", grouped)
+    model = build_model(tiny_config(*MOE, "Model.topk=2").Model)
+    x = torch.randint(0, 4000, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, labels=x)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.blocks[0].moe.experts.linear1_weight.grad.abs().sum() > 0

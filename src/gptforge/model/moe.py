@@ -141,8 +141,7 @@ class MoEFFN(nn.Module):
     def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Run each kept assignment through its expert and sum them per token, weighted."""
         ys = self.experts(flat[routing.token], routing.counts)
-        ys = ys * routing.weight.to(ys.dtype).unsqueeze(1)
-        return torch.zeros_like(flat).index_add_(0, routing.token, ys)
+        return combine(flat, ys, routing)
 
     # ------------------------------------------------------------------ gates
 
@@ -194,6 +193,13 @@ class MoEFFN(nn.Module):
             return None
         factor = self.train_factor if self.training else self.eval_factor
         return capacity(tokens, self.num_experts, self.k, factor, self.min_capacity)
+
+
+def combine(flat: torch.Tensor, ys: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Σ over a token's kept assignments of weight · expert output ([N, hidden], `flat`'s dtype;
+    under autocast the experts may answer in a lower precision)."""
+    ys = ys * routing.weight.to(ys.dtype).unsqueeze(1)
+    return torch.zeros_like(flat).index_add_(0, routing.token, ys.to(flat.dtype))
 
 
 def moe_layers(model: nn.Module) -> list[MoEFFN]:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from gptforge.errors import ConfigError
-from gptforge.model.moe import MoEFFN, Routing, expert_ffn, moe_layers
+from gptforge.model.moe import MoEFFN, Routing, combine, expert_ffn, moe_layers
 
 _MESHES: dict = {}
 
@@ -88,10 +88,9 @@ def _dispatch_all_to_all(self: MoEFFN, flat: torch.Tensor, routing: Routing) -> 
     ys = expert_ffn(xr[idx], local_counts, *(t.to_local() for t in (
         ex.linear1_weight, ex.linear1_bias, ex.linear2_weight, ex.linear2_bias)))
     yr = ys[torch.argsort(idx)]  # back to source-major
-    yb = dist_fn.all_to_all_single(flat.new_empty(xs.shape[0], flat.shape[1]), yr.contiguous(),
+    yb = dist_fn.all_to_all_single(yr.new_empty(xs.shape[0], flat.shape[1]), yr.contiguous(),
                                    send_splits, recv_splits, group=group)
-    yb = yb * routing.weight.to(yb.dtype).unsqueeze(1)
-    return torch.zeros_like(flat).index_add_(0, routing.token, yb)
+    return combine(flat, yb, routing)
 
 
 @torch.no_grad()
