@@ -116,7 +116,7 @@ def main() -> None:
     torch.manual_seed(0)
     tok_dir = tokenizer_dir(args.work, args.tokenizer)
     load0 = os.getloadavg()
-    moe = ["Model.num_experts=%d" % args.experts, "Model.expert_interval=1", "Model.topk=1",
+    moe = [f"Model.num_experts={args.experts}", "Model.expert_interval=1", "Model.topk=1",
            "Model.moe_train_capacity_factor=1.25", "Model.moe_eval_capacity_factor=2.0",
            "Model.balance_loss_weight=0.01"]
     dense = run("dense", [], args, tok_dir)
