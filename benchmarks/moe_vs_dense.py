@@ -3,15 +3,16 @@
 On the built-in corpus (this Python's standard library, byte-level BPE of 4096 tokens learned
 from it), in one run and with the same data order, schedule and seed:
   - dense: GPT hidden 128, 4 layers, 4 heads, FFN 512;
-  - MoE:   the same, every FFN replaced by `--experts` experts of FFN 512 behind a Switch
-           (top-1) gate: per token the same FFN compute, plus a 128 x E gate per layer;
-           capacity factor 1.25 in training, 2.0 in eval, balancing loss weight 0.01.
+  - MoE:   the same, every FFN replaced by `--experts` experts (default 8) of FFN 512 behind a
+           Switch (top-1) gate: per token the same FFN compute, plus a 128 x E gate per layer;
+           capacity factor `--capacity-factor` (2.0) in training, 2.0 in eval, balancing loss
+           weight 0.01 (the reference's).
 Both train `--steps` steps of `--batch` x `--seq` tokens (`gptforge pretrain`'s code), then are
 evaluated on the same Eval-split batches. Reported: total and active parameters, eval loss and
 ppl, training tokens/s, and the MoE's last routing statistics. Goal (issue 22): the MoE's
 eval loss is below the dense model's.
 
-    .venv/bin/python benchmarks/moe_vs_dense.py [--work runs/bench_moe] [--steps 500] [--experts 4]
+    .venv/bin/python benchmarks/moe_vs_dense.py [--work runs/bench_moe] [--steps 500] [--experts 8] [--capacity-factor 2.0]
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--capacity-factor", type=float, default=2.0, help="training capacity factor (eval: 2.0)")
     ap.add_argument("--eval-batches", type=int, default=32)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -117,7 +119,7 @@ def main() -> None:
     tok_dir = tokenizer_dir(args.work, args.tokenizer)
     load0 = os.getloadavg()
     moe = [f"Model.num_experts={args.experts}", "Model.expert_interval=1", "Model.topk=1",
-           "Model.moe_train_capacity_factor=1.25", "Model.moe_eval_capacity_factor=2.0",
+           f"Model.moe_train_capacity_factor={args.capacity_factor}", "Model.moe_eval_capacity_factor=2.0",
            "Model.balance_loss_weight=0.01"]
     dense = run("dense", [], args, tok_dir)
     sparse = run("moe", moe, args, tok_dir)

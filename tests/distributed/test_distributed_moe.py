@@ -1,5 +1,5 @@
 """Expert parallel (train/parallel_ep.py): 2 gloo ranks with the experts split over them (and
-plain data parallel for an MoE model) equal one process over 5 steps, and the expert-parallel
+plain data parallel and FSDP2 for an MoE model) equal one process over 5 steps, and the expert-parallel
 distributed checkpoint resumes in one process. One process sees the same micro-batches (global
 batch 4 as 2 micro-batches of 2), so routing, capacity and the balancing loss match exactly."""
 
@@ -19,11 +19,13 @@ def moe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_moe")
     single = single_run(root, "single", *MOE, "Engine.save_load.save_steps=-1")
     launch(root, [{"name": "ep", "overrides": (*MOE, "Distributed.ep_degree=2", "Engine.save_load.save_steps=3")},
-                  {"name": "dp", "overrides": (*MOE, "Engine.save_load.save_steps=-1")}], nproc=2)
+                  {"name": "dp", "overrides": (*MOE, "Engine.save_load.save_steps=-1")},
+                  {"name": "fsdp", "overrides": (*MOE, "Distributed.sharding.sharding_degree=2",
+                                                 "Engine.save_load.save_steps=-1")}], nproc=2)
     return root, single
 
 
-@pytest.mark.parametrize("name", ["ep", "dp"])
+@pytest.mark.parametrize("name", ["ep", "dp", "fsdp"])
 def test_world2_moe_equals_single_process(moe_runs, name):
     root, single = moe_runs
     got = result(root, name)["losses"]
