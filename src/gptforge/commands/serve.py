@@ -66,12 +66,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--drain-timeout: must be >= 0, got {args.drain_timeout}")
 
 
-def run(args: argparse.Namespace) -> int:
-    _validate(args)
-    check_serve_extra()
-    from gptforge.serve.server import DrainingServer, ServeOptions, build_state
-
-    name = args.model_name or Path(args.ckpt).resolve().name
+def load_served_model(args: argparse.Namespace):
+    """(our model or an onnxruntime StepBackend, config, tokenizer) for `--ckpt` / `--backend`."""
     if args.backend == "onnx":
         from gptforge.commands.export import EXTRA_HINT as EXPORT_HINT
         from gptforge.export.common import load_export_config, read_export_dir
@@ -84,12 +80,20 @@ def run(args: argparse.Namespace) -> int:
 
         path, _ = read_export_dir(args.ckpt, "onnx")
         cfg = load_export_config(path, args.config, args.override)
-        model, cfg, tok = load_onnx_dir(path, cfg, threads=args.threads)
-    else:
-        from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
+        return load_onnx_dir(path, cfg, threads=args.threads)
+    from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
 
-        cfg = config_from_args(args)
-        model, cfg, tok = load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+    cfg = config_from_args(args)
+    return load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    check_serve_extra()
+    from gptforge.serve.server import DrainingServer, ServeOptions, build_state
+
+    name = args.model_name or Path(args.ckpt).resolve().name
+    model, cfg, tok = load_served_model(args)
     opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight,
                         max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,

@@ -144,6 +144,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.peak_batch = 0  # the largest running batch so far
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -244,6 +245,7 @@ class Engine:
             s.slot = self.slots.new_slot(s.need)
             self._reserved += s.need
             self._running.append(s)
+        self.peak_batch = max(self.peak_batch, len(self._running))
         self._gauges()
 
     def _release(self, s: _Seq) -> None:
