@@ -11,7 +11,7 @@ model directory and as an HF directory with identical weights. Servers run one a
 
 Clients (1, 4, 16, 64 at once) each send their requests one after another, streamed
 (/v1/completions, temperature 0, SSE) with mixed prompt and output lengths drawn from a fixed
-seed: prompts of ~16/48/96 tokens, 16/24/32 new tokens (1 client: 4 requests, 4 clients: 1 each...). Reported per level: output tokens/s
+seed: prompts of ~16/32/64 tokens, 32/48/64 new tokens (1 client: 2 requests, more clients: 1 each). Reported per level: output tokens/s
 (all tokens / wall time), p50/p99 time to first token and p50/p99 inter-token latency (gaps
 between streamed tokens). Before the load, one greedy prompt is checked to give the same text
 on both servers (same weights, same greedy decoding).
@@ -37,8 +37,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT_WORDS = [16, 48, 96]  # roughly tokens: the words are common single-token words
-OUTPUTS = [16, 24, 32]
+PROMPT_WORDS = [16, 32, 64]  # roughly tokens: the words are common single-token words
+OUTPUTS = [32, 48, 64]
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "are", "which", "or", "had", "it", "be", "this", "not", "but", "have", "were", "her", "one", "all", "they", "their", "been", "has", "who", "when", "more", "there", "can", "its", "into", "other", "time", "would", "some", "him", "so", "only", "over", "new", "she", "what", "years", "first", "may", "after", "two", "these", "also", "could"]
 
 
@@ -92,7 +92,7 @@ def server(cmd: list[str], port: int, env: dict, log: Path):
         deadline = time.monotonic() + 300
         while True:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{cmd[:3]} did not start: {log.read_text()[-2000:]}")
@@ -162,7 +162,7 @@ def greedy_text(url: str, model: str) -> str:
 
 
 def per_client(clients: int) -> int:
-    return max(1, 4 // clients)
+    return max(1, 2 // clients)
 
 
 def run_all(args) -> str:

@@ -62,6 +62,7 @@ def serving(model, tok, generation, **opts):
         srv.server.should_exit = True
         t.join(20)
         state.engine.stop()
+        assert not t.is_alive()
 
 
 @contextlib.contextmanager

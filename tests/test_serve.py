@@ -338,6 +338,25 @@ def test_models_of_every_format_load_through_the_verb(ckpt, tmp_path, tok):
         decode_strategy="greedy_search", max_dec_len=8)).texts[0][0]
 
 
+@pytest.mark.parametrize("which", ["fp32", "int8"])
+def test_pruned_and_qat_directories_serve_like_generate(which, request):
+    """The pruned model (fp32 fixture) and the QAT model (int8 fixture) through `gptforge serve`'s loader."""
+    import argparse
+
+    from gptforge.commands.serve import add_arguments, load_served_model
+
+    model_dir, _ = request.getfixturevalue(which)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    model, cfg, tok = load_served_model(p.parse_args(["--ckpt", str(model_dir)]))
+    prompts = ["Hello world", "The"]
+    ref = generate(model, tok, prompts, GenerationConfig(decode_strategy="greedy_search", max_dec_len=6), batch_size=1)
+    with serving(model, tok, cfg.Generation, model_name="m") as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0)
+    assert [x.text for x in r.choices] == [t[0] for t in ref.texts]
+
+
 def test_onnx_backend_serves_an_export(fp32):
     """`--backend onnx`: onnxruntime, one batch-1 cache per sequence; greedy equals `gptforge infer`."""
     import argparse

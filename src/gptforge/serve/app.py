@@ -36,6 +36,7 @@ class ServeState:
     metrics: ServeMetrics
     chat: ChatTemplate
     api_key: str | None = None
+    close: object = None  # releases the backend (the packed weights) when the server stops
     draining: bool = False
     inflight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -62,6 +63,7 @@ class _Run:
         self.choices = [_Choice() for _ in range(len(prompts) * n)]
         self.open = len(self.choices)
         self.error: str | None = None
+        self._closed = False
         try:
             state.engine.submit(self.req)
         except QueueFull as e:
@@ -101,7 +103,7 @@ class _Run:
         if self.open:
             self.state.engine.cancel(self.req)
             self.open = 0
-        if self.state.inflight > 0 and not getattr(self, "_closed", False):
+        if not self._closed:
             self._closed = True
             self.state.inflight -= 1
 

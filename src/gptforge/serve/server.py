@@ -40,8 +40,10 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions) -> 
     (e.g. onnxruntime: one batch-1 step per sequence)."""
     from gptforge.generate.api import special_ids
 
+    close = None
     if isinstance(model_or_backend, torch.nn.Module):
         backend = TorchBackend(model_or_backend, prepack=generation.fast_cpu_decode).__enter__()
+        close = backend.__exit__
     else:
         backend = model_or_backend
     eos, _ = special_ids(generation, tokenizer.eos_token_id)
@@ -52,7 +54,7 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions) -> 
                     max_tokens_in_flight=opts.max_tokens_in_flight, max_queue=opts.max_queue,
                     prefill_tokens=opts.prefill_tokens, metrics=metrics).start()
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
-                      ChatTemplate(opts.chat_template), api_key=opts.api_key)
+                      ChatTemplate(opts.chat_template), api_key=opts.api_key, close=close)
 
 
 class DrainingServer:
@@ -99,6 +101,8 @@ class DrainingServer:
             self.server.run()
         finally:
             self.state.engine.stop()
+            if self.state.close is not None:
+                self.state.close(None, None, None)
 
     @property
     def started(self) -> bool:
