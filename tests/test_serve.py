@@ -338,14 +338,19 @@ def test_models_of_every_format_load_through_the_verb(ckpt, tmp_path, tok):
         decode_strategy="greedy_search", max_dec_len=8)).texts[0][0]
 
 
-@pytest.mark.parametrize("which", ["fp32", "int8"])
-def test_pruned_and_qat_directories_serve_like_generate(which, request):
-    """The pruned model (fp32 fixture) and the QAT model (int8 fixture) through `gptforge serve`'s loader."""
+@pytest.mark.parametrize("which", ["fp32", "int8", "converted"])
+def test_pruned_qat_and_int8_directories_serve_like_generate(which, request, tmp_path):
+    """The pruned model (fp32 fixture), the QAT model (int8 fixture) and its real INT8 conversion
+    (`quantize --convert`) through `gptforge serve`'s loader."""
     import argparse
 
     from gptforge.commands.serve import add_arguments, load_served_model
+    from gptforge.compress.int8_convert import convert_checkpoint
 
-    model_dir, _ = request.getfixturevalue(which)
+    model_dir, _ = request.getfixturevalue("fp32" if which == "fp32" else "int8")
+    if which == "converted":
+        convert_checkpoint(model_dir, tmp_path / "int8", int8_embedding=True, echo=False)
+        model_dir = tmp_path / "int8"
     p = argparse.ArgumentParser()
     add_arguments(p)
     model, cfg, tok = load_served_model(p.parse_args(["--ckpt", str(model_dir)]))
