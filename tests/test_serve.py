@@ -229,6 +229,19 @@ def test_disconnect_cancels_and_frees_the_slot(server):
     assert st.engine.batch_size == 0 and st.engine.steps - before < 150  # left long before 200 tokens
 
 
+def test_disconnect_cancels_a_non_streaming_request(server):
+    st = server.state
+    before = st.engine.steps
+    with throttled(st, 0.02):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.5), json={
+                "model": "tiny", "prompt": "Go", "max_tokens": 200, "temperature": 0})
+        deadline = time.monotonic() + 5
+        while st.engine.batch_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert st.engine.batch_size == 0 and st.engine.steps - before < 150
+
+
 def test_sixteen_concurrent_mixed_greedy_requests_equal_solo_generate(model, tok, server):
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds", "sing"]
     prompts = [" ".join(words[: 1 + (i * 5) % len(words)]) * (1 + i % 4) for i in range(16)]

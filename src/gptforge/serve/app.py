@@ -150,6 +150,41 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _Gate:
+    """API key and drain checks on /v1/*, and request counting. A plain ASGI middleware:
+    Starlette's `BaseHTTPMiddleware` would hide the client's disconnect from the handlers."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, path = self.state, scope["path"]
+        status = []
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        error = None
+        if path.startswith("/v1/"):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if st.api_key and auth != f"Bearer {st.api_key}":
+                error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            elif st.draining and scope["method"] == "POST":
+                error = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        try:
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            if path != "/metrics" and status:
+                st.metrics.requests.labels(path, str(status[0])).inc()
+
+
 def create_app(state: ServeState) -> FastAPI:
     """The FastAPI application over a started `Engine`."""
     app = FastAPI(title="gptforge serve", docs_url=None, redoc_url=None)
@@ -168,23 +203,7 @@ def create_app(state: ServeState) -> FastAPI:
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         return JSONResponse(APIError(400, f"{param}: {msg}" if param else msg, param=param).body(), status_code=400)
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/"):
-            if state.api_key and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                resp = JSONResponse(APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                             code="invalid_api_key").body(), status_code=401)
-            elif state.draining and request.method == "POST":
-                resp = JSONResponse(APIError(503, "the server is shutting down", type="server_error",
-                                             code="shutting_down").body(), status_code=503)
-            else:
-                resp = await call_next(request)
-        else:
-            resp = await call_next(request)
-        if path != "/metrics":
-            state.metrics.requests.labels(path, str(resp.status_code)).inc()
-        return resp
+    app.add_middleware(_Gate, state=state)
 
     @app.get("/health")
     async def health():
