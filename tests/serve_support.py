@@ -8,23 +8,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
-from gf_testutil import tiny_model
-from gptforge.data.tokenizer import gpt2_tokenizer
-from gptforge.model_io import save_model_dir
+from gf_testutil import spread_gpt2_vocab_dir
 
 
 def make_ckpt(path):
-    """A tiny model with GPT-2's vocabulary and weights spread enough to give varied text."""
-    torch.manual_seed(0)
-    m, cfg = tiny_model("Model.vocab_size=50257")
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    save_model_dir(m, cfg, path, gpt2_tokenizer())
-    return path
+    """A tiny model with GPT-2's vocabulary and varied text (gf_testutil)."""
+    return spread_gpt2_vocab_dir(path)
 
 
 def free_port() -> int:
