@@ -203,7 +203,8 @@ class DistributedConfig:
     mp_degree: int = 1
     pp_degree: int = 1
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
-    pp_recompute_interval: int = 1
+    pp_recompute_interval: int = 1  # with full recompute under pp: blocks recomputed as one segment
+    pp_schedule: str | None = None  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble (derived: 1F1B, Interleaved1F1B when Model.virtual_pp_degree > 1)
     fuse_sequence_parallel_allreduce: bool = False
     backend: str | None = None  # nccl | gloo (derived from the device)
     sharding_in_dp: bool = False  # auto-parallel recipes (set for them): dp_degree counts the sharding ranks too (world = dp x mp x pp); applied, then reset
