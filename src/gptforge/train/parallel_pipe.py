@@ -52,6 +52,9 @@ class PipelineRuntime:
         first = self.stages if SCHEDULES[schedule][1] != 1 else self.stages[0]
         self.schedule = cls(first, n_microbatches=n_micro, loss_fn=self.loss, scale_grads=False)
         self.name, self.n_micro = schedule, n_micro
+        self.pp, self.pp_rank, self.n_stages = pp, topo.pp_rank, n_stages
+        self.stage_of = dict(zip(stages, self.share.stages, strict=True))
+        self.hidden = gpt.config.hidden_size
 
     def _fully_shard(self, ctx) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -90,10 +93,41 @@ class PipelineRuntime:
         labels, mask = batch["labels"], batch["loss_mask"]
         self.loss.eval_total = float(((labels != -100) & (mask != 0)).sum())
         try:
-            self.schedule.eval(*args, target=target, losses=losses, **kwargs)
+            if self.v_shape:
+                # ZBV's action list has backward steps even in eval(): run the stages in order.
+                losses = self._forward_only(batch, target)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses, **kwargs)
         finally:
             self.loss.eval_total = None
         return self._total(losses)
+
+    def _forward_only(self, batch: dict, target) -> list:
+        """Micro-batch by micro-batch, stage by stage: activations go point to point (fp32)
+        to the next stage's rank; the last stage returns its losses."""
+        tokens, pos = batch["tokens"], batch["position_ids"]
+        mb = tokens.shape[0] // self.n_micro
+        losses = []
+        for i in range(self.n_micro):
+            sl = slice(i * mb, (i + 1) * mb)
+            x = None
+            for s in range(self.n_stages):
+                if s not in self.stage_of:
+                    continue
+                prev = stage_rank(s - 1, self.pp, self.v_shape) if s else self.pp_rank
+                if s == 0:
+                    x = self.stage_of[s](tokens[sl], pos[sl])
+                else:
+                    if prev != self.pp_rank:
+                        x = torch.empty(mb, tokens.shape[1], self.hidden, device=tokens.device)
+                        dist.recv(x, src=dist.get_global_rank(self.pp_group, prev))
+                    x = self.stage_of[s](x)
+                nxt = stage_rank(s + 1, self.pp, self.v_shape) if s + 1 < self.n_stages else self.pp_rank
+                if nxt != self.pp_rank:
+                    dist.send(x.float().contiguous(), dst=dist.get_global_rank(self.pp_group, nxt))
+            if self.has_last:
+                losses.append(self.loss(x, target[sl]))
+        return losses
 
     def _total(self, losses: list) -> torch.Tensor:
         if not self.has_last or not losses:

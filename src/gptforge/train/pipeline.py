@@ -66,8 +66,8 @@ def check_pipeline_config(cfg) -> None:
     if d.pp_recompute_interval < 0:
         raise ConfigError(f"Distributed.pp_recompute_interval: must be >= 0, got {d.pp_recompute_interval}")
     name = schedule_name(d.pp_schedule, m.virtual_pp_degree)
-    check_schedule(name, m.virtual_pp_degree, cfg.Engine.accumulate_steps, d.pp_degree)
     stage_layers(m.num_layers, d.pp_degree * m.virtual_pp_degree)
+    check_schedule(name, m.virtual_pp_degree, cfg.Engine.accumulate_steps, d.pp_degree)
     if m.sequence_parallel:
         raise ConfigError("Model.sequence_parallel: not supported with Distributed.pp_degree > 1 (stage boundaries "
                           "carry whole sequences); set Model.sequence_parallel=False")
