@@ -91,9 +91,9 @@ def test_pp2_other_schedules_equal_single_process(pp_runs_slow, name):
 
 def test_pp_header_and_end_of_run_checkpoint(pp_runs):
     root, _ = pp_runs
-    log = (root / "launch.log").read_text()
-    assert "distributed: 2 processes (gloo), pp: dp 1 x pp 2 (1F1B, 4 micro-batches) x sharding 1 x mp 1;" in log
     out = root / "runs" / "pp_1F1B"
+    log = (out / "train.log").read_text()
+    assert "distributed: 2 processes (gloo), pp: dp 1 x pp 2 (1F1B, 4 micro-batches) x sharding 1 x mp 1;" in log
     assert [p.name for _, p in ckpt.list_checkpoints(out)] == [f"step_{SAVE_AT}", f"step_{STEPS}"]
     step = out / f"step_{STEPS}"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in step.iterdir()}
