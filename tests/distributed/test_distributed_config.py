@@ -105,8 +105,6 @@ def test_rank_layout_and_seeds_follow_the_reference():
       "Global.micro_batch_size=1"], "Global.micro_batch_size: Interleaved1F1B needs the accumulate steps \\(3\\)"),
     (["Distributed.pp_degree=2", "Engine.mix_precision.enable=True"], "Engine.mix_precision.dtype: float16 with "
      "Distributed.pp_degree"),
-    (["Distributed.pp_degree=2", "Distributed.mp_degree=2", "Model.sequence_parallel=True"],
-     "Model.sequence_parallel: not supported with Distributed.pp_degree"),
     (["Distributed.pp_degree=2", "Distributed.sharding.sharding_degree=2", "Distributed.pp_schedule=ZBVZeroBubble",
       "Model.virtual_pp_degree=2", "Model.num_layers=4"], "Distributed.pp_schedule: ZBVZeroBubble puts"),
 ])

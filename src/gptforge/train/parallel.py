@@ -159,8 +159,9 @@ class ParallelContext:
         backward (sequence-parallel LayerNorm gradients, tensor parallel + plain data parallel,
         the tied embedding between the first and last pipeline stage)."""
         if self.pipelined:
-            from gptforge.train.parallel_wrap import allreduce_grads
+            from gptforge.train.parallel_wrap import allreduce_grads, reduce_partial_grads
 
+            reduce_partial_grads(params)
             self._pipe.sync_tied_grad()
             if self.strategy.endswith("+allreduce"):
                 allreduce_grads(params, self.data_group, self.data_world_size)

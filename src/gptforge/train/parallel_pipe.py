@@ -38,7 +38,8 @@ class PipelineRuntime:
         self.v_shape = schedule == "ZBVZeroBubble"
         self.layers = stage_layers(len(gpt.blocks), n_stages)
         stages = rank_stages(topo.pp_rank, pp, virtual, self.v_shape)
-        self.share = PipelineShare(gpt, stages, self.layers, recompute_interval)
+        self.share = PipelineShare(gpt, stages, self.layers, recompute_interval,
+                                   ctx.mesh["mp"] if ctx.sequence_parallel else None)
         self.has_first, self.has_last = self.share.has_first, self.share.has_last
         self.first_rank, self.last_rank = 0, stage_rank(n_stages - 1, pp, self.v_shape)
         self.pp_group = ctx.mesh["pp"].get_group()
@@ -55,6 +56,7 @@ class PipelineRuntime:
         self.pp, self.pp_rank, self.n_stages = pp, topo.pp_rank, n_stages
         self.stage_of = dict(zip(stages, self.share.stages, strict=True))
         self.hidden = gpt.config.hidden_size
+        self.sp_degree = topo.mp if ctx.sequence_parallel else None
 
     def _fully_shard(self, ctx) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -119,7 +121,8 @@ class PipelineRuntime:
                     x = self.stage_of[s](tokens[sl], pos[sl])
                 else:
                     if prev != self.pp_rank:
-                        x = torch.empty(mb, tokens.shape[1], self.hidden, device=tokens.device)
+                        seq = tokens.shape[1] // (self.sp_degree or 1)
+                        x = torch.empty(mb, seq, self.hidden, device=tokens.device)
                         dist.recv(x, src=dist.get_global_rank(self.pp_group, prev))
                     x = self.stage_of[s](x)
                 nxt = stage_rank(s + 1, self.pp, self.v_shape) if s + 1 < self.n_stages else self.pp_rank

@@ -68,9 +68,6 @@ def check_pipeline_config(cfg) -> None:
     name = schedule_name(d.pp_schedule, m.virtual_pp_degree)
     stage_layers(m.num_layers, d.pp_degree * m.virtual_pp_degree)
     check_schedule(name, m.virtual_pp_degree, cfg.Engine.accumulate_steps, d.pp_degree)
-    if m.sequence_parallel:
-        raise ConfigError("Model.sequence_parallel: not supported with Distributed.pp_degree > 1 (stage boundaries "
-                          "carry whole sequences); set Model.sequence_parallel=False")
     mp = cfg.Engine.mix_precision
     if mp.enable and mp.dtype == "float16":
         raise ConfigError("Engine.mix_precision.dtype: float16 with Distributed.pp_degree > 1 needs a loss scaler "
@@ -111,8 +108,11 @@ class StageModule(nn.Module):
     """One pipeline stage: (tokens, position ids) → hidden on the first, hidden → hidden in
     between, hidden → logits on the last (tied projection with `wte`)."""
 
-    def __init__(self, share: PipelineShare, stage: int, layers: range, n_stages: int, recompute_interval: int):
+    def __init__(self, share: PipelineShare, stage: int, layers: range, n_stages: int, recompute_interval: int,
+                 sp_mesh=None):
         super().__init__()
+        # Sequence parallel: activations cross stage boundaries as this rank's sequence shard.
+        self.sp_mesh = sp_mesh
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         if self.is_first or self.is_last:
             self.wte = share.wte
@@ -125,12 +125,16 @@ class StageModule(nn.Module):
 
     def _run_blocks(self, x, lo: int, hi: int):
         for blk in self.blocks[lo:hi]:
-            x = blk(x, None, True)
+            x = blk(x, None, True, None)  # all four: the SP input plan of blocks.0 names each
         return x
 
     def forward(self, x, position_ids=None):
         if self.is_first:
             x = self.drop(self.wte(x) + self.wpe(position_ids))
+        elif self.sp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)
         n, k = len(self.blocks), self.recompute_interval
         if k > 0 and self.training and x.requires_grad:
             # pp_recompute_interval: k consecutive blocks recomputed as one segment.
@@ -140,6 +144,8 @@ class StageModule(nn.Module):
             x = self._run_blocks(x, 0, n)
         if self.is_last:
             x = F.linear(self.norm(x), self.wte.weight)
+        elif self.sp_mesh is not None:
+            x = x.to_local()
         return x
 
 
@@ -147,7 +153,8 @@ class PipelineShare(nn.Module):
     """The modules of a GPT that one pipeline rank runs, under the GPT's own names; its
     `stages` are the StageModules (not registered: their parameters are these)."""
 
-    def __init__(self, gpt: nn.Module, stages: list[int], layers: list[range], recompute_interval: int = 0):
+    def __init__(self, gpt: nn.Module, stages: list[int], layers: list[range], recompute_interval: int = 0,
+                 sp_mesh=None):
         super().__init__()
         self.config = gpt.config
         n_stages = len(layers)
@@ -160,7 +167,8 @@ class PipelineShare(nn.Module):
         if self.has_last:
             self.norm = gpt.norm
         self.stage_ids = list(stages)
-        self.__dict__["stages"] = [StageModule(self, s, layers[s], n_stages, recompute_interval) for s in stages]
+        self.__dict__["stages"] = [StageModule(self, s, layers[s], n_stages, recompute_interval, sp_mesh)
+                                   for s in stages]
 
     def train(self, mode: bool = True):
         super().train(mode)
