@@ -11,53 +11,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_common import SAVE_AT, STEPS, launch, result, single_run
+from dist_common import (
+    FAST,
+    PP_L4,
+    PP_MICRO1,
+    SAVE_AT,
+    SCHEDULES,
+    STEPS,
+    launch,
+    pp_overrides,
+    pp_single,
+    result,
+    single_run,
+)
 
 from gptforge.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-6  # fp32, dropout 0: only the order of float sums may differ
-L4, MICRO1 = "Model.num_layers=4", "Global.micro_batch_size=1"
-PP2, V2 = "Distributed.pp_degree=2", "Model.virtual_pp_degree=2"
-SAVE = f"Engine.save_load.save_steps={SAVE_AT}"
-SCHEDULES = {"1F1B": (), "GPipe": (), "Interleaved1F1B": (V2,), "LoopedBFS": (V2,),
-             "InterleavedZeroBubble": (V2,), "ZBVZeroBubble": (V2,)}
-FAST = ("1F1B", "Interleaved1F1B")  # the default suite; the other schedules run with the slow tests
-
-
-def _pp(schedule: str, *more: str) -> tuple[str, ...]:
-    return (L4, MICRO1, PP2, f"Distributed.pp_schedule={schedule}", *SCHEDULES[schedule], *more)
-
-
-def _single(root):
-    r = single_run(root, "single", L4, MICRO1, SAVE)
-    import json
-
-    rows = [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in rows if x["kind"] == "train"]
-    return r, [x["grad_norm"] for x in train], [x["lr"] for x in train]
-
-
-@pytest.fixture(scope="module")
-def pp_runs(tmp_path_factory):
-    """(root, (single TrainResult, grad norms, lrs)) with the FAST schedules and the resumes."""
-    root = tmp_path_factory.mktemp("pp")
-    single = _single(root)
-    jobs = [{"name": f"pp_{s}", "overrides": _pp(s, SAVE)} for s in FAST]
-    jobs.append({"name": "w1_to_pp", "overrides": _pp("1F1B"),
-                 "resume": str(root / "runs" / "single" / f"step_{SAVE_AT}")})
-    launch(root, jobs, nproc=2)
-    return root, single
 
 
 @pytest.fixture(scope="module")
 def pp_runs_slow(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp_slow")
-    single = _single(root)
-    jobs = [{"name": f"pp_{s}", "overrides": _pp(s)} for s in SCHEDULES if s not in FAST]
+    single = pp_single(root)
+    jobs = [{"name": f"pp_{s}", "overrides": pp_overrides(s)} for s in SCHEDULES if s not in FAST]
     # full recompute in segments of 2 blocks per stage (the reference's pp_recompute_interval)
-    jobs.append({"name": "pp_recompute2", "overrides": _pp("1F1B", "Model.use_recompute=True",
+    jobs.append({"name": "pp_recompute2", "overrides": pp_overrides("1F1B", "Model.use_recompute=True",
                                                            "Distributed.pp_recompute_interval=2")})
     launch(root, jobs, nproc=2, timeout=600)
     return root, single
@@ -101,7 +82,7 @@ def test_pp_header_and_end_of_run_checkpoint(pp_runs):
     assert meta["distributed"]["pp_degree"] == 2 and meta["distributed"]["strategy"] == "pp"
 
 
-def test_single_process_checkpoint_resumes_under_pp(pp_runs):
+def test_single_process_checkpoint_resumes_underpp_overrides(pp_runs):
     root, (r, _, _) = pp_runs
     assert result(root, "w1_to_pp")["losses"] == pytest.approx(r.losses[SAVE_AT:], abs=TOL, rel=0)
 
@@ -109,7 +90,7 @@ def test_single_process_checkpoint_resumes_under_pp(pp_runs):
 def test_pp_checkpoint_resumes_in_one_process(pp_runs):
     root, (r, _, _) = pp_runs
     src = root / "runs" / "pp_Interleaved1F1B" / f"step_{SAVE_AT}"
-    got = single_run(root, "pp_to_w1", L4, MICRO1, resume=src)
+    got = single_run(root, "pp_to_w1", PP_L4, PP_MICRO1, resume=src)
     assert got.losses == pytest.approx(r.losses[SAVE_AT:], abs=TOL, rel=0)
 
 
