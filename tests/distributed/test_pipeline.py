@@ -40,6 +40,8 @@ def pp_runs_slow(tmp_path_factory):
     # full recompute in segments of 2 blocks per stage (the reference's pp_recompute_interval)
     jobs.append({"name": "pp_recompute2", "overrides": pp_overrides("1F1B", "Model.use_recompute=True",
                                                            "Distributed.pp_recompute_interval=2")})
+    jobs.append({"name": "pp_bf16", "overrides": pp_overrides("1F1B", "Engine.mix_precision.enable=True",
+                                                              "Engine.mix_precision.dtype=bfloat16")})
     launch(root, jobs, nproc=2, timeout=600)
     return root, single
 
@@ -107,3 +109,11 @@ def test_convert_joins_pp_checkpoint(pp_runs, run_cli, tmp_path):
     assert got.keys() == want.keys()  # every stage's blocks, the embeddings and the final norm
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_pp2_trains_in_bf16(pp_runs_slow):
+    root, (r, _, _) = pp_runs_slow
+    got = result(root, "pp_bf16")["losses"]
+    # bf16 autocast through the schedule: the fp32 run's losses within bf16 rounding
+    assert got == pytest.approx(r.losses, abs=2e-3, rel=0) and got != r.losses
