@@ -85,6 +85,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rows = []
     for schedule, v in SCHEDULES:
+        if args.schedules and schedule not in args.schedules:
+            continue
         cfg = _config(args, schedule, v)
         torch.manual_seed(0)
         ctx = init_parallel(cfg, "cpu")
@@ -148,6 +150,7 @@ def main() -> None:
                     help="small, so the last stage's tied projection does not unbalance the stages")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--schedules", nargs="*", help="a subset of: " + " ".join(n for n, _ in SCHEDULES))
     args = ap.parse_args()
     if "RANK" in os.environ:
         worker(args)
