@@ -455,6 +455,7 @@ def test_pipeline_recipes_resolve(tmp_path, name):
 
     doc, size = PIPELINE[name]
     cfg = load_config(write(tmp_path, f"{name}.yaml", doc), [*TINY_MODEL, *CPU, "Global.global_batch_size=4",
+                                                            "Global.micro_batch_size=2",
                                                             "Global.local_batch_size=", *size], world_size=4)
     check_distributed(cfg, world_size=4)
     check_pipeline_config(cfg)

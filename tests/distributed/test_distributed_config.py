@@ -103,7 +103,10 @@ def test_rank_layout_and_seeds_follow_the_reference():
     (["Distributed.pp_degree=2", "Distributed.pp_schedule=zigzag"], "Distributed.pp_schedule: 'zigzag' is not one"),
     (["Distributed.pp_degree=2", "Model.virtual_pp_degree=2", "Model.num_layers=4", "Global.global_batch_size=3",
       "Global.micro_batch_size=1"], "Global.micro_batch_size: Interleaved1F1B needs the accumulate steps \\(3\\)"),
-    (["Distributed.pp_degree=2", "Engine.mix_precision.enable=True"], "Engine.mix_precision.dtype: float16 with "
+    (["Distributed.pp_degree=2", "Global.global_batch_size=2", "Global.micro_batch_size=2"],
+     "Global.micro_batch_size: 1F1B needs at least Distributed.pp_degree \\(2\\) micro-batches"),
+    (["Distributed.pp_degree=2", "Global.global_batch_size=2", "Global.micro_batch_size=1",
+      "Engine.mix_precision.enable=True"], "Engine.mix_precision.dtype: float16 with "
      "Distributed.pp_degree"),
     (["Distributed.pp_degree=2", "Distributed.sharding.sharding_degree=2", "Distributed.pp_schedule=ZBVZeroBubble",
       "Model.virtual_pp_degree=2", "Model.num_layers=4"], "Distributed.pp_schedule: ZBVZeroBubble puts"),

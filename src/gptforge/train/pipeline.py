@@ -53,6 +53,9 @@ def check_schedule(name: str, virtual: int, micro_batches: int, pp: int) -> None
                           "Model.virtual_pp_degree=2 (or more)")
     if need == 2 and virtual != 2:
         raise ConfigError(f"Model.virtual_pp_degree: {name} runs exactly 2 stages per rank (a V), got {virtual}")
+    if name == "1F1B" and micro_batches < pp:
+        raise ConfigError(f"Global.micro_batch_size: 1F1B needs at least Distributed.pp_degree ({pp}) micro-batches "
+                          f"per step, got {micro_batches} accumulate steps; lower the micro batch size (or use GPipe)")
     if name in ("Interleaved1F1B", "InterleavedZeroBubble") and micro_batches % pp:
         raise ConfigError(f"Global.micro_batch_size: {name} needs the accumulate steps ({micro_batches}) to be a "
                           f"multiple of Distributed.pp_degree {pp}; change the micro batch size")
