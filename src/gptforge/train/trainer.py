@@ -526,7 +526,8 @@ class Trainer:
         cfg, m = self.cfg, self.model
         n = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in self.params)
-        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
+        where = " in rank 0's pipeline stages" if self.par.pipelined else ""
+        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters{where} ({trainable / 1e6:.2f}M trainable), "
                  f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
                  f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
                  f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
