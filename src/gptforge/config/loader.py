@@ -664,11 +664,6 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
     combination is one gptforge's torch.distributed engine runs (docs/distributed.md)."""
     d, m = cfg.Distributed, cfg.Model
     world = world_size if world_size is not None else world_size_from_env()
-    if d.pp_degree > 1:
-        raise ConfigError(
-            f"Distributed.pp_degree: {d.pp_degree} (pipeline parallel) is not supported; set it to 1 and split "
-            "the model with Distributed.mp_degree (tensor parallel) and/or sharding (FSDP2) instead, see "
-            "docs/distributed.md")
     sh = d.sharding.sharding_degree
     dp, others = d.dp_degree or 1, d.mp_degree * d.pp_degree * sh
     if world % others:
