@@ -37,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from gptforge.config import load_config  # noqa: E402
-from gptforge.model_io import load_model  # noqa: E402
+from gptforge.model_io import (
+    load_model,  # noqa: E402
+    load_run_config,
+)
 from qat_quality import (  # noqa: E402
     cpu_name,
     finetune_overrides,
@@ -128,7 +131,7 @@ def main() -> int:
     for setting in args.settings:
         tag = tag_of(setting)
         qat_all = qat_run(args, tok, tok_dir, start, setting, None, f"qat_{tag}")
-        cfg = load_config(overrides=[f"Data.tokenizer={tok_dir}"], ckpt_dir=qat_all)
+        cfg = load_run_config(overrides=[f"Data.tokenizer={tok_dir}"], ckpt_dir=qat_all)
         t0 = time.perf_counter()
         an = run_analysis(cfg, qat_ckpt=qat_all, float_ckpt=start, metric="loss", batches=n_a,
                           out_dir=args.root / f"analysis_{tag}", tokenizer=tok, progress=False, echo=False)

@@ -74,6 +74,17 @@ def examples(path: Path) -> list[Example]:
     return out
 
 
+# Pages whose examples still use placeholders or files no page makes (issue #17, "Docs that
+# run"): reported as skipped, with this reason, until each page is made to run as written. A page
+# leaves this list when its examples pass (remove it here; nothing else changes).
+PENDING_REASON = "examples not yet runnable as written (placeholders or files the page does not make)"
+PENDING = {
+    "README.md", "docs/analyze.md", "docs/data.md", "docs/demo.md", "docs/distributed.md", "docs/eval.md",
+    "docs/export.md", "docs/generate.md", "docs/infer.md", "docs/model.md", "docs/preprocess.md",
+    "docs/pretrain.md", "docs/prune.md", "docs/ptq.md", "docs/qat.md", "docs/quantize.md", "docs/tokenizer.md",
+}
+
+
 # Lines that look like commands a reader would type; an untagged fence holding one is a doc bug
 # (the runner could not tell it is meant to run).
 COMMAND_LINE = re.compile(r"^\s*(\$ )?(gptforge|make|python3?|pip|torchrun|curl|cd|export)\b")

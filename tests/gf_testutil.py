@@ -15,3 +15,21 @@ def tiny_config(*overrides: str, preset: str = "tiny") -> Config:
 def tiny_model(*overrides: str) -> tuple[GPT, Config]:
     cfg = tiny_config(*overrides)
     return build_model(cfg.Model).eval(), cfg
+
+
+def spread_gpt2_vocab_dir(path):
+    """A tiny model with GPT-2's vocabulary and weights spread enough to give varied text, saved
+    with the GPT-2 tokenizer as a model directory at `path`."""
+    import torch
+
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.model_io import save_model_dir
+
+    torch.manual_seed(0)
+    m, cfg = tiny_model("Model.vocab_size=50257")
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    save_model_dir(m, cfg, path, gpt2_tokenizer())
+    return path

@@ -20,9 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptforge.config import load_config
 from gptforge.errors import CheckpointError, ConfigError
-from gptforge.model_io import load_model
+from gptforge.model_io import load_model, load_run_config
 
 V, S, H, NH, L, FFN = 300, 40, 64, 4, 3, 256  # not a preset shape: heads must be given
 
@@ -94,7 +93,7 @@ def paddle_forward(a: dict[str, np.ndarray], ids: torch.Tensor, fused: bool = Tr
 def test_pdparams_import_matches_reference_forward(tmp_path, fused, protocol):
     arrays = paddle_arrays(np.random.default_rng(0), fused=fused)
     write_pdparams(tmp_path / "model.pdparams", arrays, protocol)
-    cfg = load_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path)
+    cfg = load_run_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path)
     model, cfg = load_model(tmp_path, cfg)
     assert (cfg.Model.vocab_size, cfg.Model.hidden_size, cfg.Model.num_layers, cfg.Model.ffn_hidden_size) == (V, H, L, FFN)
     ids = torch.randint(0, V, (2, 17))
@@ -106,7 +105,7 @@ def test_fp16_pdparams_and_ignored_keys(tmp_path, capsys):
     arrays = paddle_arrays(np.random.default_rng(1), dtype=np.float16)
     arrays["gpt.decoder.layers.0.linear1.weight_backup"] = np.zeros((H, FFN), np.float16)
     write_pdparams(tmp_path / "model.pdparams", arrays)
-    model, _ = load_model(tmp_path, load_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
+    model, _ = load_model(tmp_path, load_run_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
     assert model.wte.weight.dtype == torch.float32
     assert "ignored 1 non-model tensors" in capsys.readouterr().err
     ids = torch.randint(0, V, (1, 9))
@@ -119,7 +118,7 @@ def test_fewer_heads_per_layer_import(tmp_path):
     """Checkpoints whose qkv has fewer heads than the nominal count (e.g. head-reduced)."""
     arrays = paddle_arrays(np.random.default_rng(2), heads=3)
     write_pdparams(tmp_path / "model.pdparams", arrays)
-    model, cfg = load_model(tmp_path, load_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
+    model, cfg = load_model(tmp_path, load_run_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
     assert cfg.Model.head_dim == H // NH
     ids = torch.randint(0, V, (2, 7))
     with torch.no_grad():
@@ -129,7 +128,7 @@ def test_fewer_heads_per_layer_import(tmp_path):
 def test_head_count_must_be_given_for_unknown_shapes(tmp_path, run_cli):
     write_pdparams(tmp_path / "model.pdparams", paddle_arrays(np.random.default_rng(3)))
     with pytest.raises(ConfigError, match="Model.num_attention_heads"):
-        load_config(ckpt_dir=tmp_path)
+        load_run_config(ckpt_dir=tmp_path)
     code, _, err = run_cli("convert", "--src", tmp_path / "model.pdparams", "--out", tmp_path / "o")
     assert code == 2 and "-o Model.num_attention_heads=N" in err
     code, out, err = run_cli("convert", "--src", tmp_path / "model.pdparams", "--out", tmp_path / "o",
@@ -147,7 +146,7 @@ def test_unpickler_refuses_code(tmp_path, monkeypatch):
     with open(tmp_path / "model.pdparams", "wb") as f:
         pickle.dump({"gpt.embeddings.word_embeddings.weight": _Evil()}, f)
     with pytest.raises(CheckpointError, match="refuses to load"):
-        load_model(tmp_path, load_config(overrides=["Model.num_attention_heads=4"], ckpt_dir=None))
+        load_model(tmp_path, load_run_config(overrides=["Model.num_attention_heads=4"], ckpt_dir=None))
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -163,7 +162,7 @@ def test_real_paddle_save_if_installed(tmp_path):
     paddle = pytest.importorskip("paddle")
     arrays = paddle_arrays(np.random.default_rng(5))
     paddle.save({k: paddle.to_tensor(v) for k, v in arrays.items()}, str(tmp_path / "model.pdparams"))
-    model, _ = load_model(tmp_path, load_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
+    model, _ = load_model(tmp_path, load_run_config(overrides=[f"Model.num_attention_heads={NH}"], ckpt_dir=tmp_path))
     ids = torch.randint(0, V, (2, 9))
     with torch.no_grad():
         assert (model(ids).logits - paddle_forward(arrays, ids)).abs().max() < 1e-4

@@ -21,6 +21,7 @@ from gptforge.generate import (
     release_packed,
     stream,
 )
+from gptforge.generate.backend import PACKED_LAYOUT_ROWS
 
 GREEDY = GenerationConfig(decode_strategy="greedy_search", max_dec_len=10)
 PROMPTS = [[5, 17, 300, 41, 9], [7, 1000, 12, 66, 2, 3, 4, 8, 90], [250, 251, 252]]
@@ -78,7 +79,7 @@ def test_kv_cache_step_logits_equal_full_recomputation(model, prepack):
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
             pos = pos + 1
             logits = be.step(nxt, pos, mask, cache)
-        assert be.packed_rows == (B if prepack else 0)  # the fast path really ran
+        assert be.packed_rows == (PACKED_LAYOUT_ROWS if prepack else 0)  # the fast path really ran
 
 
 class RecomputeBackend:

@@ -5,28 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from gf_testutil import tiny_model
+from gf_testutil import spread_gpt2_vocab_dir
 from gptforge.config.schema import GenerationConfig
 from gptforge.data.tokenizer import gpt2_tokenizer
 from gptforge.generate import generate
-from gptforge.model_io import load_model, save_hf_dir, save_model_dir
+from gptforge.model_io import load_model, save_hf_dir
 
 GREEDY = ["-o", "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=8"]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    m, cfg = tiny_model("Model.vocab_size=50257")
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    path = tmp_path_factory.mktemp("gen") / "model"
-    save_model_dir(m, cfg, path, gpt2_tokenizer())
-    return path
+    return spread_gpt2_vocab_dir(tmp_path_factory.mktemp("gen") / "model")
 
 
 def _api(path, prompts, **kw):

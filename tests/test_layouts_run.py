@@ -8,6 +8,7 @@ two layouts that say the same thing must give the same numbers.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,68 @@ def test_distributed_recipes(w, tmp_path):
     fsdp = "fsdp: dp 1 x sharding 2 (stage 2) x mp 1"
     # dp blank → 2 replicas; sharding16 → 2; mp8 → 2; the auto recipes' dp counts the sharding ranks
     assert layouts == ["ddp: dp 2 x sharding 1 x mp 1", fsdp, "tp: dp 1 x sharding 1 x mp 2", fsdp, fsdp]
+
+
+# ---- pipeline-parallel recipes: 4 gloo ranks (mp 2 x pp 2) -------------------------------------
+
+PIPELINE = {
+    # pretrain_gpt_175B_mp8_pp16: sequence parallel, core_attn recompute, fused_linear, 1536 / 1536 / 1
+    "pp_175B": ({"Global": {"global_batch_size": 1536, "local_batch_size": 1536, "micro_batch_size": 1},
+                 "Model": {**SHAPE, "hidden_size": 12288, "num_layers": 96, "num_attention_heads": 96,
+                           "ffn_hidden_size": 49152, "vocab_size": 51200, "max_position_embeddings": 1024,
+                           "use_recompute": True, "recompute_granularity": "core_attn", "sequence_parallel": True,
+                           "fused_linear": True, "virtual_pp_degree": 1},
+                 "Distributed": {"dp_degree": 1, "mp_degree": 8, "pp_degree": 16,
+                                 "sharding": {"sharding_degree": 1, "sharding_stage": 1}}},
+                ("Distributed.mp_degree=2", "Distributed.pp_degree=2", "Global.global_batch_size=4",
+                 "Global.local_batch_size=4", "Global.micro_batch_size=1")),
+    # pretrain_gpt_13B_dp8: mp2 pp8, full recompute, seq 4096
+    "pp_13B": ({"Global": {"global_batch_size": 480, "micro_batch_size": 4, "seed": 1234},
+                "Model": {**SHAPE, "hidden_size": 5120, "num_layers": 40, "num_attention_heads": 40,
+                          "ffn_hidden_size": 20480, "max_position_embeddings": 4096, "use_recompute": True},
+                "Distributed": {"dp_degree": None, "mp_degree": 2, "pp_degree": 8}},
+               ("Distributed.pp_degree=2",)),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINE))
+def test_pipeline_recipes_resolve(tmp_path, name):
+    """Fast: the pipeline recipes with their size overrides fit 4 ranks as mp 2 x pp 2."""
+    from gptforge.config import load_config
+    from gptforge.config.loader import check_distributed
+    from gptforge.train.pipeline import check_pipeline_config
+
+    doc, size = PIPELINE[name]
+    cfg = load_config(write(tmp_path, f"{name}.yaml", doc), [*TINY_MODEL, *CPU, "Global.global_batch_size=4",
+                                                            "Global.micro_batch_size=2",
+                                                            "Global.local_batch_size=", *size], world_size=4)
+    check_distributed(cfg, world_size=4)
+    check_pipeline_config(cfg)
+    d = cfg.Distributed
+    assert (d.dp_degree, d.pp_degree, d.mp_degree) == (1, 2, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pipeline_recipes(w, tmp_path):
+    """The reference's pipeline recipes' structure (pp, mp, sequence parallel, recompute) runs
+    on 4 gloo ranks with -o overrides for size only."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+    from dist_common import launch, result
+
+    jobs = []
+    for name, (doc, size) in PIPELINE.items():
+        recipe = write(tmp_path, f"{name}.yaml", doc)
+        out = tmp_path / "runs" / name
+        args = [*train_args(w, out, steps=2), *(a for kv in size for a in ("-o", kv))]
+        jobs.append({"name": name, "cli": ["pretrain", "-c", str(recipe), "--no-progress", *map(str, args)]})
+    launch(tmp_path, jobs, nproc=4, timeout=900)
+    for name in PIPELINE:
+        losses = result(tmp_path, name)["losses"]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), name
+    layouts = [line.split("), ", 1)[1].split(";")[0] for line in (tmp_path / "launch.log").read_text().splitlines()
+               if line.startswith("distributed: 4 processes")]
+    assert layouts == ["pp+tp: dp 1 x pp 2 (1F1B, 4 micro-batches) x sharding 1 x mp 2 + sequence parallel",
+                       "pp+tp: dp 1 x pp 2 (1F1B, 2 micro-batches) x sharding 1 x mp 2"]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from gptforge.config.loader import PATH_KEYS, _at
+from gptforge.model_io import load_run_config
 from test_train_support import small_tokenizer, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,14 +191,13 @@ def test_an_older_directory_with_relative_paths_uses_its_own_tokenizer(made, tmp
         assert out == expected["generate float"]
         # the data and output paths relative to a start dir nobody knows are not read against this one
         assert "ignoring Data.Train.dataset.input_dir=runs/data/corpus" in err
-        from gptforge.config import load_config
 
-        cfg = load_config(ckpt_dir=step)
+        cfg = load_run_config(ckpt_dir=step)
         # a step's run directory is the one it is in now
         assert cfg.Data.tokenizer is None and cfg.Engine.save_load.output_dir == str(step.parent)
         assert cfg.Data.Train.dataset.input_dir == "./data/"  # the default, not runs/data/corpus
         # a -o still chooses, as with any checkpoint
-        cfg = load_config(overrides=["Data.tokenizer=runs/tok"], ckpt_dir=step)
+        cfg = load_run_config(overrides=["Data.tokenizer=runs/tok"], ckpt_dir=step)
         assert cfg.Data.tokenizer == "runs/tok"
 
 
@@ -236,6 +236,5 @@ def test_a_recorded_resume_source_does_not_block_a_later_ckpt(made, tmp_path):
     raw = yaml.safe_load((step / "config.yaml").read_text())
     raw["Engine"]["save_load"]["ckpt_dir"] = str(start / "runs" / "float" / "step_2")
     (step / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    from gptforge.config import load_config
 
-    assert load_config(ckpt_dir=step).Engine.save_load.ckpt_dir is None
+    assert load_run_config(ckpt_dir=step).Engine.save_load.ckpt_dir is None

@@ -20,7 +20,7 @@ from gptforge.compress.quant import quant_modules, quantize_model
 from gptforge.compress.sensitivity_run import run_analysis, split_batches
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import CheckpointError, UsageError
-from gptforge.model_io import load_model, save_model_dir
+from gptforge.model_io import load_model, load_run_config, save_model_dir
 from gptforge.train import pretrain
 from test_train_support import small_tokenizer, train_config
 
@@ -113,9 +113,8 @@ def planted(trained):
 
 
 def _cfg(ckpt, *overrides):
-    from gptforge.config import load_config
 
-    return load_config(overrides=list(overrides), ckpt_dir=ckpt)
+    return load_run_config(overrides=list(overrides), ckpt_dir=ckpt)
 
 
 @pytest.mark.parametrize("kind", sorted(PLANTED))

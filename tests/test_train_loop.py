@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gptforge.model_io import load_run_config
 from gptforge.train import NonFiniteLossError, Trainer, pretrain
 from gptforge.train import checkpoint as ckpt
 from gptforge.train.optim import LRSchedule
@@ -284,9 +285,8 @@ def test_resume_takes_shape_and_structure_from_the_checkpoint(tmp_path):
     t = Trainer(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
     assert t.step == 2 and t.model.wte.weight.shape[1] == 64 and cfg.Model.hidden_size == 64
     r = t.train()
-    from gptforge.config import load_config
 
-    assert load_config(ckpt_dir=r.checkpoint_dir).Model.hidden_size == 64
+    assert load_run_config(ckpt_dir=r.checkpoint_dir).Model.hidden_size == 64
 
 
 def test_eval_iterator_is_persistent(tmp_path):

@@ -33,6 +33,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "prune": ("gptforge.commands.prune", "structured pruning (heads, FFN neurons) + fine-tuning; 2:4 sparsity"),
     "export": ("gptforge.commands.export", "export to an HF directory, ONNX (fp32/INT8) or torch.export"),
     "infer": ("gptforge.commands.infer", "generate text with an exported ONNX model (onnxruntime)"),
+    "serve": ("gptforge.commands.serve", "OpenAI-compatible HTTP server with continuous batching"),
     "convert": ("gptforge.commands.convert", "convert checkpoints: HF GPT-2, PaddleFleetX .pdparams, distributed"),
     "demo": ("gptforge.commands.demo", "the whole life cycle on the built-in corpus, with a report"),
     "config": ("gptforge.commands.config", "list the packaged recipes, show a config, list every key"),

@@ -201,6 +201,25 @@ def _our_config(f: Path, raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def checkpoint_config(path: str | os.PathLike):
+    """What a model directory records about its run, for `config.load_config(ckpt=...)`."""
+    from gptforge.config.loader import CheckpointConfig
+
+    p = resolve_checkpoint_path(path)
+    return CheckpointConfig(source=str(path), raw=read_checkpoint_config(p), path=p, is_dir=p.is_dir(),
+                            has_tokenizer=p.is_dir() and has_tokenizer_files(p))
+
+
+def load_run_config(path: str | os.PathLike | None = None, overrides=(), ckpt_dir: str | os.PathLike | None = None,
+                    world_size: int | None = None):
+    """`config.load_config` with a model directory's config as the layer under the file:
+    defaults ← checkpoint ← file (`path`) ← overrides."""
+    from gptforge.config import load_config
+
+    ckpt = checkpoint_config(ckpt_dir) if ckpt_dir is not None else None
+    return load_config(path, overrides, ckpt=ckpt, world_size=world_size)
+
+
 _PD_CACHE: dict[tuple[str, float], Any] = {}
 
 
@@ -308,7 +327,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     p = resolve_checkpoint_path(path)
     fmt = detect_format(p)
     if cfg is None:
-        cfg = load_config(ckpt_dir=p)
+        cfg = load_config(ckpt=checkpoint_config(p))
     shape = checkpoint_model_config(p, fallback=cfg.Model)
     model_cfg = dataclasses.replace(cfg.Model, **{k: getattr(shape, k) for k in ARCH_KEYS})
     model = build_model(model_cfg, device="meta")

@@ -38,3 +38,18 @@ def dist_runs(tmp_path_factory):
     launch(root, _jobs(root), nproc=2)
     return root, single
 
+
+
+@pytest.fixture(scope="session")
+def pp_runs(tmp_path_factory):
+    """Pipeline parallel on 2 ranks (the FAST schedules, a world-1 → pp resume):
+    (root, (single TrainResult, grad norms, lrs)); results via `result(root, name)`."""
+    from dist_common import FAST, PP_SAVE, pp_overrides, pp_single
+
+    root = tmp_path_factory.mktemp("pp")
+    single = pp_single(root)
+    jobs = [{"name": f"pp_{s}", "overrides": pp_overrides(s, PP_SAVE)} for s in FAST]
+    jobs.append({"name": "w1_to_pp", "overrides": pp_overrides("1F1B"),
+                 "resume": str(root / "runs" / "single" / f"step_{SAVE_AT}")})
+    launch(root, jobs, nproc=2)
+    return root, single

@@ -66,3 +66,25 @@ def launch(root: Path, jobs: list[dict], nproc: int, timeout: float = 300) -> No
         raise AssertionError(f"torchrun launch did not finish in {timeout:.0f}s (killed); see {root / 'launch.log'}") from None
     (root / "launch.log").write_text(out + err)
     assert proc.returncode == 0, err[-4000:]
+
+
+# pipeline parallel (test_pipeline*.py): the 4-layer tiny model, 4 micro-batches per step
+PP_L4, PP_MICRO1 = "Model.num_layers=4", "Global.micro_batch_size=1"
+PP2, V2 = "Distributed.pp_degree=2", "Model.virtual_pp_degree=2"
+PP_SAVE = f"Engine.save_load.save_steps={SAVE_AT}"
+SCHEDULES = {"1F1B": (), "GPipe": (), "Interleaved1F1B": (V2,), "LoopedBFS": (V2,),
+             "InterleavedZeroBubble": (V2,), "ZBVZeroBubble": (V2,)}
+FAST = ("1F1B", "Interleaved1F1B")  # the default suite; the other schedules run with the slow tests
+
+
+def pp_overrides(schedule: str, *more: str) -> tuple[str, ...]:
+    """A pp=2 run of `schedule` (with 2 virtual stages per rank where it needs them)."""
+    return (PP_L4, PP_MICRO1, PP2, f"Distributed.pp_schedule={schedule}", *SCHEDULES[schedule], *more)
+
+
+def pp_single(root: Path):
+    """The single-process reference of the pipeline runs: (TrainResult, grad norms, lrs)."""
+    r = single_run(root, "single", PP_L4, PP_MICRO1, PP_SAVE)
+    rows = [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in rows if x["kind"] == "train"]
+    return r, [x["grad_norm"] for x in train], [x["lr"] for x in train]

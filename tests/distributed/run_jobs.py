@@ -27,6 +27,13 @@ def _from_metrics(out: Path) -> dict:
             "eval": [[r["step"], r["loss"]] for r in rows if r["kind"] == "eval"]}
 
 
+def _step_records(out: Path) -> dict:
+    """Per-step gradient norms and learning rates rank 0 logged."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    return {"grad_norms": [r["grad_norm"] for r in train], "lrs": [r["lr"] for r in train]}
+
+
 def main(jobs_file: str, root: str) -> None:
     from gptforge.cli import main as cli
     from gptforge.train import pretrain
@@ -47,6 +54,8 @@ def main(jobs_file: str, root: str) -> None:
                                steps=job.get("steps", 5))
             r = pretrain(cfg, resume=job.get("resume"), progress=False, echo=False)
             res = {"losses": r.losses, "eval": r.eval_losses}
+            if rank == 0:
+                res.update(_step_records(out))
         name = f"{job['name']}.rank{rank}" if job.get("all_ranks") else job["name"]
         if res is not None and (rank == 0 or job.get("all_ranks")):
             (root_p / f"{name}.json").write_text(json.dumps(res))

@@ -26,7 +26,7 @@ def _cfg(world, *overrides):
     (3, ["Distributed.mp_degree=2"], "Distributed.mp_degree=2: needs a multiple of 2 processes .* WORLD_SIZE is 3"),
     (4, ["Distributed.mp_degree=2", "Distributed.sharding.sharding_degree=4"],
      "Distributed.mp_degree=2 x Distributed.sharding.sharding_degree=4: needs a multiple of 8"),
-    (2, ["Distributed.pp_degree=2"], "Distributed.pp_degree: 2 (pipeline parallel) is not supported"),
+    (4, ["Distributed.pp_degree=3"], "Distributed.pp_degree=3: needs a multiple of 3 processes"),
     (1, ["Model.sequence_parallel=True"], "Model.sequence_parallel: needs Distributed.mp_degree > 1"),
     (2, ["Distributed.mp_degree=2", "Model.layer_num_heads=[4,3]", "Model.head_dim=16"],
      "Distributed.mp_degree: 2 does not divide the attention head count 3"),
@@ -89,3 +89,51 @@ def test_rank_layout_and_seeds_follow_the_reference():
     # global_seed = seed + 1024 + world + pp_rank·mp + dp_rank·mp·pp + sharding_rank·mp·pp·dp
     t = Topology(world_size=8, rank=7, dp=2, sharding=2, mp=2)
     assert dropout_seed(1024, t) == 1024 + 1024 + 8 + 1 * 2 + 1 * 2 * 2
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["Distributed.pp_degree=2", "Model.num_layers=1"], "Distributed.pp_degree: 2 pipeline stages"),
+    (["Distributed.pp_degree=2", "Model.virtual_pp_degree=2"], "Distributed.pp_degree: 4 pipeline stages"),
+    (["Distributed.pp_degree=2", "Distributed.pp_schedule=GPipe", "Model.virtual_pp_degree=2", "Model.num_layers=4"],
+     "Model.virtual_pp_degree: 2 needs a multi-stage schedule"),
+    (["Distributed.pp_degree=2", "Distributed.pp_schedule=LoopedBFS"], "Distributed.pp_schedule: LoopedBFS runs "
+     "several stages per rank"),
+    (["Distributed.pp_degree=2", "Distributed.pp_schedule=ZBVZeroBubble", "Model.virtual_pp_degree=3",
+      "Model.num_layers=6"], "Model.virtual_pp_degree: ZBVZeroBubble runs exactly 2"),
+    (["Distributed.pp_degree=2", "Distributed.pp_schedule=zigzag"], "Distributed.pp_schedule: 'zigzag' is not one"),
+    (["Distributed.pp_degree=2", "Model.virtual_pp_degree=2", "Model.num_layers=4", "Global.global_batch_size=3",
+      "Global.micro_batch_size=1"], "Global.micro_batch_size: Interleaved1F1B needs the accumulate steps \\(3\\)"),
+    (["Distributed.pp_degree=2", "Global.global_batch_size=2", "Global.micro_batch_size=2"],
+     "Global.micro_batch_size: 1F1B needs at least Distributed.pp_degree \\(2\\) micro-batches"),
+    (["Distributed.pp_degree=2", "Global.global_batch_size=2", "Global.micro_batch_size=1",
+      "Engine.mix_precision.enable=True"], "Engine.mix_precision.dtype: float16 with "
+     "Distributed.pp_degree"),
+    (["Distributed.pp_degree=2", "Distributed.sharding.sharding_degree=2", "Distributed.pp_schedule=ZBVZeroBubble",
+      "Model.virtual_pp_degree=2", "Model.num_layers=4"], "Distributed.pp_schedule: ZBVZeroBubble puts"),
+])
+def test_invalid_pipeline_combinations_name_the_key(overrides, key):
+    from gptforge.train.pipeline import check_pipeline_config
+
+    world = 2 * (2 if any("mp_degree" in o or "sharding_degree" in o for o in overrides) else 1)
+    cfg = _cfg(world, *overrides)
+    check_distributed(cfg, world)
+    with pytest.raises(ConfigError, match=key) as e:
+        check_pipeline_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_pipeline_stages_split_by_layer_count():
+    from gptforge.train.pipeline import rank_stages, stage_layers
+
+    assert stage_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert rank_stages(0, 2, 2, v_shape=False) == [0, 2] and rank_stages(1, 2, 2, v_shape=False) == [1, 3]
+    assert rank_stages(0, 2, 2, v_shape=True) == [0, 3] and rank_stages(1, 2, 2, v_shape=True) == [1, 2]
+
+
+def test_pipeline_topology_and_seeds():
+    # dp 2 x pp 2 x mp 2: mp innermost, then pp; the stages of one pipeline read one data slice
+    ts = [Topology(world_size=8, rank=r, dp=2, mp=2, pp=2) for r in range(8)]
+    assert [(t.dp_rank, t.pp_rank, t.mp_rank) for t in ts[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [t.data_rank for t in ts] == [0, 0, 0, 0, 1, 1, 1, 1]
+    seeds = [dropout_seed(1, t) for t in ts]
+    assert seeds[0] == seeds[1] and seeds[0] != seeds[2] and len(set(seeds)) == 4

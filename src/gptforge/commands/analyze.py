@@ -56,15 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gptforge.compress.sensitivity_report import table_lines
     from gptforge.compress.sensitivity_run import run_analysis
-    from gptforge.config import load_config
     from gptforge.errors import UsageError
+    from gptforge.model_io import load_run_config
 
     if not args.qat_ckpt and not args.float_ckpt:
         raise UsageError("give the model to analyse with --qat-ckpt DIR (qat mode), or --mode ptq --float-ckpt DIR")
     overrides = list(args.override)
     if args.eval_path:
         overrides.append(f"Offline_Eval.eval_path={args.eval_path}")
-    cfg = load_config(args.config, overrides, ckpt_dir=args.qat_ckpt or args.float_ckpt)
+    cfg = load_run_config(args.config, overrides, ckpt_dir=args.qat_ckpt or args.float_ckpt)
     from gptforge.run_lock import lock_dir
 
     with lock_dir(args.out, "analyze"):  # one analysis per output directory at a time

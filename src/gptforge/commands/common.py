@@ -28,13 +28,13 @@ def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: st
 
 def config_from_args(args: argparse.Namespace, require: bool = False, world_size: int | None = None) -> Config:
     """Resolved config from -c/-o/--ckpt; `require` demands -c or --ckpt."""
-    from gptforge.config import load_config
+    from gptforge.model_io import load_run_config
 
     ckpt = getattr(args, "ckpt", None)
     if require and not args.config and not ckpt:
         raise UsageError("give a config with -c FILE or -c RECIPE (e.g. -c pretrain_gpt_tiny_cpu; "
                          "`gptforge config list` shows them), or a model with --ckpt DIR")
-    return load_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
+    return load_run_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
 
 
 def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.config.recipes import locate
     from gptforge.config.show import annotated_yaml
     from gptforge.errors import UsageError
+    from gptforge.model_io import checkpoint_config
 
     if args.action == "list":
         return _list()
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--path needs -c FILE or a recipe NAME")
         print(locate(args.config).resolve())
         return 0
-    given = load_given(args.config, args.override, ckpt_dir=getattr(args, "ckpt", None))
+    ckpt_dir = getattr(args, "ckpt", None)
+    given = load_given(args.config, args.override, checkpoint_config(ckpt_dir) if ckpt_dir else None)
     resolved = resolve(copy.deepcopy(given), world_size=args.world_size)
     print(config_to_yaml(resolved) if args.resolved else annotated_yaml(given, resolved), end="")
     return 0

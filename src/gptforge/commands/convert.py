@@ -27,14 +27,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from gptforge.config import DistributedConfig, load_config
+    from gptforge.config import DistributedConfig
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.dcp_read import is_distributed_checkpoint
-    from gptforge.model_io import load_model, resolve_checkpoint_path, save_hf_dir, save_model_dir
+    from gptforge.model_io import (
+        load_model,
+        load_run_config,
+        resolve_checkpoint_path,
+        save_hf_dir,
+        save_model_dir,
+    )
 
     ensure_out_dir(args.out, args.force)
     src = resolve_checkpoint_path(args.src)
-    cfg = load_config(args.config, args.override, ckpt_dir=src)
+    cfg = load_run_config(args.config, args.override, ckpt_dir=src)
     model, cfg = load_model(src, cfg)
     sharded = src.is_dir() and is_distributed_checkpoint(src)
     if sharded:

@@ -9,6 +9,7 @@ padded vocab, recompute defaults).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -708,11 +709,6 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
     combination is one gptforge's torch.distributed engine runs (docs/distributed.md)."""
     d, m = cfg.Distributed, cfg.Model
     world = world_size if world_size is not None else world_size_from_env()
-    if d.pp_degree > 1:
-        raise ConfigError(
-            f"Distributed.pp_degree: {d.pp_degree} (pipeline parallel) is not supported; set it to 1 and split "
-            "the model with Distributed.mp_degree (tensor parallel) and/or sharding (FSDP2) instead, see "
-            "docs/distributed.md")
     sh = d.sharding.sharding_degree
     dp, others = d.dp_degree or 1, d.mp_degree * d.pp_degree * sh
     if world % others:
@@ -729,10 +725,13 @@ def check_distributed(cfg: Config, world_size: int | None = None) -> None:
             f"or launch {dp * others} processes")
     if d.ep_degree < 1:
         raise ConfigError(f"Distributed.ep_degree: must be >= 1, got {d.ep_degree}")
+    if d.pp_degree > 1 and max(m.num_experts or [1]) > 1:
+        raise ConfigError(f"Distributed.pp_degree={d.pp_degree}: pipeline parallel does not train MoE models yet "
+                          "(the balancing loss is added outside the schedule); use dp, sharding or ep_degree")
     if d.ep_degree > 1:
-        if d.mp_degree > 1 or sh > 1:
+        if d.mp_degree > 1 or sh > 1 or d.pp_degree > 1:
             raise ConfigError(f"Distributed.ep_degree={d.ep_degree}: expert parallel composes with data parallel "
-                              "only; set Distributed.mp_degree=1 and sharding.sharding_degree=1")
+                              "only; set Distributed.mp_degree=1, pp_degree=1 and sharding.sharding_degree=1")
         if dp % d.ep_degree:
             raise ConfigError(f"Distributed.ep_degree={d.ep_degree}: must divide dp_degree={dp}")
         bad = sorted({n for n in (m.num_experts or [1]) if n % d.ep_degree})
@@ -784,14 +783,21 @@ def check_train_shapes(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- entry
 
 
-def checkpoint_raw(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    """The raw config dict a model directory carries (ours, HF GPT-2, or none)."""
-    from gptforge.model_io import read_checkpoint_config
+@dataclasses.dataclass
+class CheckpointConfig:
+    """What a model directory says about its run, as `model_io.checkpoint_config` read it.
 
-    return read_checkpoint_config(ckpt_dir)
+    The loader merges it with the other layers but never reads a checkpoint itself, so config
+    sits below model I/O (docs/architecture.md)."""
+
+    source: str                   # the directory as the user gave it, for messages
+    raw: dict[str, Any]           # its config in the canonical layout (may carry "__requires__")
+    path: Path | None = None      # the resolved directory or file
+    is_dir: bool = False
+    has_tokenizer: bool = False   # it carries its own tokenizer files
 
 
-def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+def _portable_checkpoint_raw(raw: dict[str, Any], ck: CheckpointConfig) -> tuple[dict[str, Any], dict[str, str]]:
     """A checkpoint's config without the paths a later run must not follow, and the relative
     paths dropped ({key: value}).
 
@@ -804,21 +810,19 @@ def _portable_checkpoint_raw(raw: dict[str, Any], ckpt_dir: str | os.PathLike) -
       `Engine.save_load.output_dir` is DIR, where the directory is now: a resumed run
       continues next to its checkpoint, wherever the run directory was copied.
     """
-    from gptforge.model_io import has_tokenizer_files, resolve_checkpoint_path
-
-    p = resolve_checkpoint_path(ckpt_dir)
+    p = ck.path if ck.path is not None else Path(ck.source)
     legacy = {}
     for key in PATH_KEYS:
         v = _relative_path_value(raw, key)
         if v is not None:
             legacy[key] = v
             raw = _with(raw, key, None, drop=True)
-    if p.is_dir() and re.fullmatch(r"step_\d+", p.name) and _get(raw, "Engine") is not None:
+    if ck.is_dir and re.fullmatch(r"step_\d+", p.name) and _get(raw, "Engine") is not None:
         raw = _with(raw, "Engine.save_load.output_dir", os.path.abspath(p.parent))
         legacy.pop("Engine.save_load.output_dir", None)
-    if _at(raw, "Data.tokenizer") is not None and p.is_dir() and has_tokenizer_files(p):
+    if _at(raw, "Data.tokenizer") is not None and ck.is_dir and ck.has_tokenizer:
         raw = _with(raw, "Data.tokenizer", None, drop=True)
-    if "Data.tokenizer" in legacy and p.is_dir() and has_tokenizer_files(p):
+    if "Data.tokenizer" in legacy and ck.is_dir and ck.has_tokenizer:
         del legacy["Data.tokenizer"]
     return raw, legacy
 
@@ -871,7 +875,7 @@ def _file_batch_wins(ck_raw: dict[str, Any], file_raw: dict[str, Any]) -> dict[s
 def merge_layers(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
-    ckpt_dir: str | os.PathLike | None = None,
+    ckpt: CheckpointConfig | None = None,
 ) -> dict[str, Any]:
     """The merged raw dict: defaults ← checkpoint config ← file ← overrides, presets expanded.
 
@@ -883,11 +887,12 @@ def merge_layers(
     legacy: dict[str, str] = {}
     file_raw = load_raw(path) if path else {}
     keep: tuple[str, ...] = ()
-    if ckpt_dir is not None:
-        raw = checkpoint_raw(ckpt_dir)
+    ckpt_dir = ckpt.source if ckpt is not None else None
+    if ckpt is not None:
+        raw = copy.deepcopy(ckpt.raw)
         requires = raw.pop("__requires__", [])
         raw = _drop_launch_derived(raw)
-        raw, legacy = _portable_checkpoint_raw(raw, ckpt_dir)
+        raw, legacy = _portable_checkpoint_raw(raw, ckpt)
         raw = _file_batch_wins(raw, file_raw)
         ck_model = raw.get("Model") or {}
         keep = tuple(k for k in ARCH_KEYS if k in ck_model)
@@ -913,23 +918,24 @@ def merge_layers(
 def load_given(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
-    ckpt_dir: str | os.PathLike | None = None,
+    ckpt: CheckpointConfig | None = None,
 ) -> Config:
     """The typed config as the layers give it, before `resolve` derives anything."""
-    return build_config(merge_layers(path, overrides, ckpt_dir))
+    return build_config(merge_layers(path, overrides, ckpt))
 
 
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: typing.Iterable[str] = (),
-    ckpt_dir: str | os.PathLike | None = None,
+    ckpt: CheckpointConfig | None = None,
     world_size: int | None = None,
 ) -> Config:
     """The resolved config: defaults ← checkpoint config ← file ← overrides → `resolve`.
 
-    `path` is a YAML file or a packaged recipe's name (`gptforge config list`).
+    `path` is a YAML file or a packaged recipe's name (`gptforge config list`); `ckpt` is what a
+    model directory records (`model_io.checkpoint_config`; `model_io.load_run_config` does both).
     """
-    return resolve(load_given(path, overrides, ckpt_dir), world_size=world_size)
+    return resolve(load_given(path, overrides, ckpt), world_size=world_size)
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -52,7 +52,7 @@ class ModelConfig:
     sequence_parallel: bool = False  # only with mp_degree > 1
     use_flash_attn: bool = False  # accepted; scaled_dot_product_attention picks flash kernels on GPU anyway
     fused_softmax_with_triangular: bool = True  # accepted, no effect
-    virtual_pp_degree: int = 1
+    virtual_pp_degree: int = 1  # pipeline stages per rank (interleaved / looped / ZBV schedules)
     recompute_layers: list[int] | None = None  # old layout: layers to recompute (blank = all); becomes no_recompute_layers
     recompute_start_layer: int | None = None  # old layout: recompute layers >= this index; becomes no_recompute_layers
     # Mixture of Experts (the reference's pretrain_moe layout; docs/moe.md)
@@ -213,9 +213,10 @@ class ShardingConfig:
 class DistributedConfig:
     dp_degree: int | None = None  # derived: world / (mp * pp * sharding)
     mp_degree: int = 1
-    pp_degree: int = 1
+    pp_degree: int = 1  # pipeline stages (torch.distributed.pipelining)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
-    pp_recompute_interval: int = 1
+    pp_recompute_interval: int = 1  # with full recompute under pp: blocks recomputed as one segment
+    pp_schedule: str | None = None  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble (derived: 1F1B, Interleaved1F1B when Model.virtual_pp_degree > 1)
     fuse_sequence_parallel_allreduce: bool = False
     backend: str | None = None  # nccl | gloo (derived from the device)
     ep_degree: int = 1  # expert parallel: each MoE layer's experts split over this many data ranks (divides dp_degree and num_experts)

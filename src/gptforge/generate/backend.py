@@ -41,9 +41,30 @@ class StepBackend(Protocol):
     def reorder(self, cache: Any, index: torch.Tensor) -> Any: ...
 
 
-# Rows (batch x new tokens) up to which a Linear runs through its packed copy: decode steps
-# and beam batches; longer prefill matmuls are compute-bound and MKL's own GEMM is as good.
-PACKED_MAX_ROWS = 64
+# Prompts are prefilled in chunks of this many tokens at fixed offsets (0, 32, 64, ...), by
+# `generate` as by `serve`'s scheduler: SDPA's per-row results depend on how queries are
+# blocked, so both must cut a prompt the same way for bit-identical results. Small chunks also
+# bound how long a prefill stalls the running decodes in `serve`.
+PREFILL_CHUNK = 32
+
+
+def prefill_chunks(length: int, start: int = 0) -> list[tuple[int, int]]:
+    """[(start, end)] chunks covering positions start..length-1, cut at multiples of PREFILL_CHUNK."""
+    out = []
+    while start < length:
+        end = min(length, (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+        out.append((start, end))
+        start = end
+    return out
+
+
+# The row count the packed weights are laid out for. oneDNN's small-batch blocking (any value > 1)
+# computes every output row with the same kernel and the same reduction order whatever the number
+# of rows (measured bit-identical for 1..300 rows, 1 and 2 threads), so a sequence's logits do not
+# depend on what else shares its batch: `gptforge serve` (continuous batching) and `generate` at
+# any batch size produce bit-identical results for a prompt. The GEMV layout made for one row
+# is not batch-invariant and is not used.
+PACKED_LAYOUT_ROWS = 8
 
 
 def _packed_linear_available() -> bool:
@@ -82,7 +103,7 @@ def _stamp(weight: torch.Tensor, rows: int) -> tuple:
 
 def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int) -> torch.Tensor:
     """`weight` reordered by oneDNN for GEMMs of about `rows` rows, cached per module."""
-    layout = 1 if rows == 1 else 8  # one-row GEMV vs small-batch blocking (measured best here)
+    layout = 1 if rows == 1 else 8  # one-row GEMV vs small-batch blocking (the backend uses the latter)
     stamp = _stamp(weight, layout)
     entry = _PACKED.get(module)
     if entry is not None and entry.weight() is weight and entry.stamp == stamp:
@@ -100,7 +121,7 @@ def release_packed(model: nn.Module) -> None:
 
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() <= PACKED_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32 and not x.requires_grad:
+    if x.dtype == torch.float32 and not x.requires_grad:
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
 
@@ -111,10 +132,11 @@ class TorchBackend:
 
     Only the last position is projected onto the vocabulary. On CPU in fp32 with `prepack`
     (`Generation.fast_cpu_decode`), every plain `nn.Linear` and the tied head get a
-    oneDNN-packed copy of their weight at the first decode step, used while the backend is open
-    (`with TorchBackend(m) as b:`) for inputs of at most `PACKED_MAX_ROWS` rows: a decode step
-    is a handful of skinny matrix products bound by reading the weights, which the packed layout
-    does faster than MKL's GEMM on row-major weights (see docs/generate.md for figures). The
+    oneDNN-packed copy of their weight at the first step, used while the backend is open
+    (`with TorchBackend(m) as b:`): a decode step is a handful of skinny matrix products bound
+    by reading the weights, which the packed layout does faster than MKL's GEMM on row-major
+    weights (see docs/generate.md for figures), and its per-row results do not depend on the
+    number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant. The
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
     while the weights are unchanged (`release_packed(model)` frees them). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
@@ -156,9 +178,7 @@ class TorchBackend:
         return self._packed_rows if self._head is not None or self._patched else 0
 
     def _pack(self, rows: int) -> None:
-        """Route Linears (and the head) through weights packed for GEMMs of `rows` rows (the
-        decode batch: oneDNN picks its blocking from it; at batch 8 a layout made for small
-        batches is ~20% faster than one made for a single row)."""
+        """Route Linears (and the head) through weights packed for GEMMs of `rows` rows."""
         self._packed_rows = rows
         try:
             for mod in self.model.modules():
@@ -187,17 +207,50 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-        if self.prepack and self._open and not self._packed_rows and input_ids.shape[1] == 1:
-            self._pack(input_ids.shape[0])  # at the first decode step, when the batch is known
+        self._ensure_packed()
         if isinstance(cache, _Recompute):
             input_ids, position_ids, attention_mask = cache.extend(input_ids, position_ids, attention_mask)
             cache = None
-        h = self.model.hidden_states(input_ids, position_ids, attention_mask, cache)[:, -1]
-        if self._head is not None and h.shape[0] <= PACKED_MAX_ROWS:
+        T = input_ids.shape[1]
+        if cache is None or T <= PREFILL_CHUNK:
+            h = self.model.hidden_states(input_ids, position_ids, attention_mask, cache)[:, -1]
+            return self.project(h)
+        # A long prompt is prefilled in the chunks continuous batching uses (`prefill_chunks`),
+        # so a prompt's keys/values are bit-identical whether it is generated here or served.
+        past = cache.length
+        for s, e in prefill_chunks(T):
+            mask = attention_mask[:, : past + e] if attention_mask is not None else None
+            h = self.model.hidden_states(input_ids[:, s:e], position_ids[:, s:e], mask, cache)
+        return self.project(h[:, -1])
+
+    def _ensure_packed(self) -> None:
+        if self.prepack and self._open and not self._packed_rows:
+            self._pack(PACKED_LAYOUT_ROWS)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32) of final hidden states [R, hidden]."""
+        if self._head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(h, self._head, None, "none", [], "")
         else:
             logits = self.model.logits(h)
         return logits.float()
+
+    # -- per-sequence slots (continuous batching, `gptforge.generate.slots`) -------------------
+
+    def new_slot(self, capacity: int):
+        """KV buffers for one sequence of up to `capacity` positions."""
+        from gptforge.generate.slots import SeqSlot
+
+        return SeqSlot.for_model(self.model, capacity)
+
+    @torch.inference_mode()
+    def step_ragged(self, batch) -> torch.Tensor:
+        """One forward over a `RaggedBatch` (each sequence's new tokens, packed into one row);
+        returns the logits [R, V] of the rows `batch` asks for, in its order."""
+        self._ensure_packed()
+        h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
+        batch.commit()
+        return self.project(h.index_select(0, batch.logits_index))
 
     @torch.inference_mode()
     def reorder(self, cache, index: torch.Tensor):

@@ -79,6 +79,21 @@ class SearchOutput:
         return out
 
 
+def choose_next(history: torch.Tensor, logits: torch.Tensor, processors: ProcessorList, warpers: ProcessorList,
+                greedy: bool, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row ([B]) and the log-probabilities [B, V] of the processed
+    distribution (before the sampling filters) it was chosen from. Shared by `TokenDecoder`
+    and `gptforge serve`'s scheduler, which calls it one row at a time."""
+    scores = processors(history, logits)
+    logp = torch.log_softmax(scores, dim=-1)
+    if greedy:
+        nxt = scores.argmax(dim=-1)
+    else:
+        probs = warpers(history, scores).softmax(dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return nxt, logp
+
+
 class TokenDecoder:
     """Greedy or sampling decoding, one step per iteration: iterating yields the tokens chosen
     at each step ([N] tensor, pad for finished rows); `output()` gives the result so far.
@@ -111,13 +126,7 @@ class TokenDecoder:
         self.steps = 0
 
     def _pick(self, history: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.processors(history, logits)
-        logp = torch.log_softmax(scores, dim=-1)
-        if self.greedy:
-            nxt = scores.argmax(dim=-1)
-        else:
-            probs = self.warpers(history, scores).softmax(dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        nxt, logp = choose_next(history, logits, self.processors, self.warpers, self.greedy, self.generator)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

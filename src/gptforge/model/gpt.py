@@ -92,9 +92,13 @@ class SelfAttention(nn.Module):
         # -1 heads: the count comes from the weight actually present (sharded or narrowed).
         qkv = self.qkv_proj(x).view(B, T, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.split(self.head_dim, dim=-1)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        y = self.core(q, k, v, mask, is_causal)
+        attend = getattr(cache, "attend", None)
+        if attend is not None:  # a cache of per-sequence slots attends each sequence over its own keys
+            y = attend(self.layer_idx, q, k, v, self.core)
+        else:
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v)
+            y = self.core(q, k, v, mask, is_causal)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,9 +1,9 @@
 """Process-group setup for distributed training: topology, backend, device, mesh and seeds.
 
-The rank layout follows the reference's hybrid topology with the pipeline axis at 1:
-`dp` outermost, then `sharding`, then `mp` innermost, so tensor-parallel peers are
-neighbouring ranks (one node, fast links) and the data rank is `dp_rank·sharding + sharding_rank`
-= `rank // mp` (spec §2.5). A launch that did not go through torchrun (no `WORLD_SIZE`) is one
+The rank layout follows the reference's hybrid topology: `dp` outermost, then `pp`, then
+`sharding`, then `mp` innermost, so tensor-parallel peers are neighbouring ranks (one node, fast
+links) and the data rank is `dp_rank·sharding + sharding_rank` (spec §2.5); the stages of one
+pipeline read the same data slice. A launch that did not go through torchrun (no `WORLD_SIZE`) is one
 process and never touches torch.distributed.
 """
 
@@ -19,12 +19,12 @@ from gptforge.config.schema import Config
 from gptforge.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
-MESH_DIMS = ("dp", "sharding", "mp")
+MESH_DIMS = ("dp", "pp", "sharding", "mp")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits in the dp × sharding × mp grid (pp is always 1 here)."""
+    """Where this process sits in the dp × pp × sharding × mp grid."""
 
     world_size: int = 1
     rank: int = 0
@@ -32,6 +32,7 @@ class Topology:
     dp: int = 1
     sharding: int = 1
     mp: int = 1
+    pp: int = 1
 
     @property
     def mp_rank(self) -> int:
@@ -42,8 +43,12 @@ class Topology:
         return (self.rank // self.mp) % self.sharding
 
     @property
+    def pp_rank(self) -> int:
+        return (self.rank // (self.mp * self.sharding)) % self.pp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // (self.mp * self.sharding)
+        return self.rank // (self.mp * self.sharding * self.pp)
 
     @property
     def data_rank(self) -> int:
@@ -55,7 +60,7 @@ class Topology:
         return self.dp * self.sharding
 
     def degrees(self) -> dict[str, int]:
-        return {"dp_degree": self.dp, "sharding_degree": self.sharding, "mp_degree": self.mp, "pp_degree": 1}
+        return {"dp_degree": self.dp, "sharding_degree": self.sharding, "mp_degree": self.mp, "pp_degree": self.pp}
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -72,7 +77,8 @@ def env_rank() -> tuple[int, int, int]:
 def topology(cfg: Config, world_size: int, rank: int, local_rank: int = 0) -> Topology:
     """The Topology of `rank`; `cfg` must have passed `check_distributed`."""
     d = cfg.Distributed
-    return Topology(world_size, rank, local_rank, d.dp_degree or 1, d.sharding.sharding_degree, d.mp_degree)
+    return Topology(world_size, rank, local_rank, d.dp_degree or 1, d.sharding.sharding_degree, d.mp_degree,
+                    d.pp_degree)
 
 
 def backend_for(cfg: Config, device: torch.device) -> str:
@@ -140,37 +146,70 @@ _DATA_GROUPS: dict = {}
 
 
 def build_mesh(topo: Topology, device: torch.device):
-    """The 3-D ("dp", "sharding", "mp") DeviceMesh over all ranks (axes of size 1 included);
+    """The 4-D ("dp", "pp", "sharding", "mp") DeviceMesh over all ranks (axes of size 1 included);
     one per layout and process, so repeated runs do not pile up process groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (device.type, topo.world_size, topo.dp, topo.sharding, topo.mp)
+    key = (device.type, topo.world_size, topo.dp, topo.pp, topo.sharding, topo.mp)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device.type, (topo.dp, topo.sharding, topo.mp), mesh_dim_names=MESH_DIMS)
+        _MESHES[key] = init_device_mesh(device.type, (topo.dp, topo.pp, topo.sharding, topo.mp),
+                                         mesh_dim_names=MESH_DIMS)
     return _MESHES[key]
 
 
 def data_group(topo: Topology):
-    """The group of ranks holding the same tensor-parallel slice (same mp rank): the data
-    ranks a logged loss is averaged over. None (= every rank) without tensor parallel."""
+    """The group of ranks holding the same model slice (same mp rank and pipeline stage): the
+    data ranks gradients and a logged loss are averaged over. None (= every rank) without
+    tensor or pipeline parallel."""
     import torch.distributed as dist
 
-    if topo.mp == 1:
+    if topo.mp == 1 and topo.pp == 1:
         return None
-    key = (topo.world_size, topo.mp)
+    key = (topo.world_size, topo.mp, topo.pp, topo.sharding)
     if key not in _DATA_GROUPS:
+        def slice_of(r: int) -> tuple[int, int]:
+            return r % topo.mp, (r // (topo.mp * topo.sharding)) % topo.pp
+
         # Every rank creates every group (a collective), then keeps its own.
+        slices = sorted({slice_of(r) for r in range(topo.world_size)})
         _DATA_GROUPS[key], _ = dist.new_subgroups_by_enumeration(
-            [[r for r in range(topo.world_size) if r % topo.mp == m] for m in range(topo.mp)])
+            [[r for r in range(topo.world_size) if slice_of(r) == s] for s in slices])
     return _DATA_GROUPS[key]
+
+
+_PAIR_GROUPS: dict = {}
+
+
+def tied_pair_group(topo: Topology, first: int, last: int):
+    """The group of this rank's pipeline ranks `first` and `last` (pp ranks of the stages that
+    hold the tied word embedding); None when this rank is neither, or both are this rank."""
+    import torch.distributed as dist
+
+    if first == last:
+        return None
+    key = (topo.world_size, topo.mp, topo.pp, topo.sharding, first, last)
+    if key not in _PAIR_GROUPS:
+        stride = topo.mp * topo.sharding
+        mine = None
+        # new_group is collective over every rank: create all pairs everywhere, keep ours.
+        for r in range(topo.world_size):
+            if (r // stride) % topo.pp != first:
+                continue
+            pair = [r, r + (last - first) * stride]
+            g = dist.new_group(pair)
+            if topo.rank in pair:
+                mine = g
+        _PAIR_GROUPS[key] = mine
+    return _PAIR_GROUPS[key]
 
 
 def dropout_seed(seed: int, topo: Topology) -> int:
     """The reference's `global_seed` (spec §1.7): equal across a tensor-parallel group (its
     ranks hold the same replicated activations), different for every data-parallel rank."""
-    mp, pp, dp = topo.mp, 1, topo.dp
-    return seed + 1024 + topo.world_size + topo.dp_rank * mp * pp + topo.sharding_rank * mp * pp * dp
+    mp, pp, dp = topo.mp, topo.pp, topo.dp
+    return (seed + 1024 + topo.world_size + topo.dp_rank * mp * pp + topo.sharding_rank * mp * pp * dp
+            + topo.pp_rank * mp)
 
 
 __all__ = ["BACKENDS", "MESH_DIMS", "Topology", "backend_for", "build_mesh", "data_group", "dropout_seed", "env_rank",
-           "init_process_group", "rank_device", "topology"]
+           "init_process_group", "rank_device", "tied_pair_group", "topology"]

@@ -22,6 +22,8 @@ def wrap_model(ctx, model: nn.Module) -> nn.Module:
 
         check_tp_modules(model)
         apply_tensor_parallel(model, mesh["mp"], ctx.sequence_parallel)
+    if topo.pp > 1:
+        return _pipeline(ctx, model)
     if topo.sharding > 1:
         return _fully_shard(ctx, model)
     if topo.dp > 1 and topo.mp == 1:
@@ -44,6 +46,23 @@ def wrap_model(ctx, model: nn.Module) -> nn.Module:
         for p in model.parameters():
             dist.broadcast(_local(p.data), src=topo.mp_rank, group=ctx.data_group)
     return model
+
+
+def _pipeline(ctx, model: nn.Module) -> nn.Module:
+    """This rank's pipeline stages (FSDP2 inside when sharding); returns its `PipelineShare`,
+    the module whose parameters the optimizer steps and the checkpoint saves."""
+    from gptforge.train.parallel_pipe import PipelineRuntime
+
+    ctx._pipe = PipelineRuntime(ctx, model, ctx.pp_schedule, ctx.virtual_pp_degree, ctx.micro_batches,
+                                ctx.pp_recompute_interval)
+    share = ctx._pipe.share
+    if ctx.strategy.endswith("+allreduce"):
+        # Plain data parallel across pipelines: start every replica of a stage from the same
+        # weights, as DDP would; gradients are averaged in `finish_backward`.
+        src = dist.get_process_group_ranks(ctx.data_group)[0] if ctx.data_group is not None else 0
+        for p in share.parameters():
+            dist.broadcast(_local(p.data), src=src, group=ctx.data_group)
+    return share
 
 
 def _fully_shard(ctx, model: nn.Module) -> nn.Module:
@@ -135,17 +154,25 @@ def allreduce_grads(params: list[torch.Tensor], group, world: int, bucket_numel:
 
 
 @torch.no_grad()
-def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float) -> torch.Tensor:
+def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float, skip: set[int] | None = None,
+                            sum_group=None) -> torch.Tensor:
     """Global L2 gradient norm when gradients are DTensor shards and/or plain replicas.
 
     Each rank sums the squares of its local pieces per (mesh, sharded mesh dims); a sum is
     all-reduced over exactly the mesh dims its tensors are split on, so replicated pieces
-    count once. Then every piece is scaled by clip/max(norm, clip).
+    count once. `sum_group` (the pipeline's ranks, which hold different parameters) then sums
+    the totals; parameters in `skip` (ids: the tied embedding's second copy) are scaled but not
+    counted. Then every piece is scaled by clip/max(norm, clip).
     """
     kinds: dict = {}
+    skip = skip or set()
+    scaled_only: list[torch.Tensor] = []
     for p in params:
         g = p.grad
         if g is None:
+            continue
+        if id(p) in skip:
+            scaled_only.append(g.to_local() if isinstance(g, DTensor) else g)
             continue
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
@@ -157,16 +184,19 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float) -> tor
         else:
             kinds.setdefault(None, (None, (), []))[2].append(g)
     locals_ = [t for _, _, ts in kinds.values() for t in ts]
-    if not locals_:
+    if not locals_ and sum_group is None:
         return torch.zeros(())
-    total_sq = None
+    total_sq = torch.zeros((), dtype=torch.float64, device=(locals_ or scaled_only)[0].device)
     for mesh, dims, ts in kinds.values():
         # float64 across tensors: the sum runs over shards in another order than one process's.
         sq = torch.stack([n.double() for n in torch._foreach_norm(ts, 2.0)]).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(d))
-        total_sq = sq if total_sq is None else total_sq + sq
+        total_sq = total_sq + sq
+    if sum_group is not None:
+        dist.all_reduce(total_sq, group=sum_group)
     total = total_sq.sqrt().float()
+    locals_ += scaled_only
     if clip_norm > 0:
         coef = clip_norm / torch.clamp(total, min=clip_norm)
         torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))

@@ -207,8 +207,15 @@ class Trainer:
         # 2. recompute → compile → parallel → precision → optimizer
         m = cfg.Model
         granularity = m.recompute_granularity if (m.use_recompute or m.recompute_granularity) else None
-        self.recomputed = apply_recompute(model, granularity, m.no_recompute_layers or [])
+        if self.par.pp_recompute_interval:
+            granularity = None  # the pipeline stages recompute segments of blocks themselves
+        self.recomputed = apply_recompute(model, granularity, m.no_recompute_layers or []) or (
+            ["pipeline segments"] if self.par.pp_recompute_interval else [])
+        self.flops_per_token = train_flops_per_token(model, cfg.Data.Train.dataset.max_seq_len)
         train_model = self.par.wrap(model)  # TP/FSDP2 change `model` in place; DDP wraps it
+        if self.par.pipelined:
+            # This rank's stages: the modules it trains, saves and evaluates.
+            self.model = model = train_model
         if self.par.distributed:
             # Every rank built the same weights from Global.seed; dropout now draws per rank
             # (same across a tensor-parallel group, different across data ranks).
@@ -237,7 +244,6 @@ class Trainer:
                 raise ConfigError(f"Global.global_batch_size: {self.gbs} differs from the checkpoint's "
                                   f"{meta['global_batch_size']} ({self.resume_dir}); resume with the same batch size")
         self.progress, self.echo = progress, echo
-        self.flops_per_token = train_flops_per_token(model, cfg.Data.Train.dataset.max_seq_len)
         self.moe_window = MoEWindow() if moe.moe_layers(model) else None
         self.peak = peak_flops(self.device, self.precision.name)
 
@@ -315,6 +321,10 @@ class Trainer:
         micro = [{k: v[i * self.cfg.Global.micro_batch_size:(i + 1) * self.cfg.Global.micro_batch_size]
                   for k, v in batch.items()} for i in range(self.acc)]
         total = torch.zeros((), device=self.device)
+        if self.par.pipelined:
+            with self.precision.autocast():
+                total += self.par.pipeline_step(batch) * self.acc  # mean → sum, as the loop's
+            micro = []
         for i, mb in enumerate(micro):
             with self.par.no_sync(model, i == self.acc - 1):
                 loss = self._forward_loss(mb, model)
@@ -366,7 +376,11 @@ class Trainer:
         try:
             for _ in range(iters):
                 batch = next(self._eval_iter)
-                losses.append(self._forward_loss(batch, model).float())
+                if self.par.pipelined:
+                    with self.precision.autocast():
+                        losses.append(self.par.pipeline_eval(batch))
+                else:
+                    losses.append(self._forward_loss(batch, model).float())
                 self.eval_consumed += self.gbs
                 self.eval_batches_done += 1
         finally:
@@ -525,7 +539,8 @@ class Trainer:
         cfg, m = self.cfg, self.model
         n = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in self.params)
-        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
+        where = " in rank 0's pipeline stages" if self.par.pipelined else ""
+        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters{where} ({trainable / 1e6:.2f}M trainable), "
                  f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
                  f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
                  f"{cfg.Data.Train.dataset.max_seq_len}, recompute "

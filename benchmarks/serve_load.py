@@ -1,0 +1,253 @@
+"""Serving under load: `gptforge serve` vs `transformers serve`, same weights, same client.
+
+Model: GPT-2 124M shape (`Model.preset=124M`, vocabulary 50257, random weights), saved as our
+model directory and as an HF directory with identical weights. Servers run one after the other
+(never side by side), each as its own process on 127.0.0.1:
+
+- gptforge serve (continuous batching, defaults except --max-batch-size 64);
+- gptforge serve --max-batch-size 1 (one request at a time: the baseline of the goals);
+- transformers serve --continuous-batching --device cpu (the peer; it runs offline from a local
+  directory).
+
+Clients (1, 4, 16, 64 at once) each send their requests one after another, streamed
+(/v1/completions, temperature 0, SSE) with mixed prompt and output lengths drawn from a fixed
+seed: prompts of ~16/32/64 tokens, 32/48/64 new tokens (1 client: 2 requests, more clients: 1 each). Reported per level: output tokens/s
+(all tokens / wall time), p50/p99 time to first token and p50/p99 inter-token latency (gaps
+between streamed tokens). Before the load, one greedy prompt is checked to give the same text
+on both servers (same weights, same greedy decoding).
+
+    .venv/bin/python benchmarks/serve_load.py [--clients 1,4,16,64] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_WORDS = [16, 32, 64]  # roughly tokens: the words are common single-token words
+OUTPUTS = [32, 48, 64]
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "are", "which", "or", "had", "it", "be", "this", "not", "but", "have", "were", "her", "one", "all", "they", "their", "been", "has", "who", "when", "more", "there", "can", "its", "into", "other", "time", "would", "some", "him", "so", "only", "over", "new", "she", "what", "years", "first", "may", "after", "two", "these", "also", "could"]
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def cpu_flags() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(x for x in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+                                if x in have)
+    return ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_models(tmp: Path) -> tuple[Path, Path]:
+    import torch
+
+    from gptforge.config import load_config
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.model import build_model
+    from gptforge.model_io import save_hf_dir, save_model_dir
+
+    torch.manual_seed(0)
+    cfg = load_config(overrides=["Model.preset=124M", "Model.vocab_size=50257", "Model.hidden_dropout_prob=0",
+                                 "Model.attention_probs_dropout_prob=0"])
+    model = build_model(cfg.Model).eval()
+    ours, hf = tmp / "gpt2-124m", tmp / "gpt2-124m-hf"
+    save_model_dir(model, cfg, ours, gpt2_tokenizer())
+    save_hf_dir(model, cfg, hf, gpt2_tokenizer())
+    return ours, hf
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], port: int, env: dict, log: Path):
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[:3]} did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def workload(clients: int, per_client: int, seed: int = 0) -> list[list[tuple[str, int]]]:
+    rng = random.Random(seed * 1000 + clients)
+    return [[(" ".join(rng.choice(WORDS) for _ in range(rng.choice(PROMPT_WORDS))), rng.choice(OUTPUTS))
+             for _ in range(per_client)] for _ in range(clients)]
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times, tokens, usage = [], 0, None
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+                tokens += 1
+            if chunk.get("usage"):  # exact count (a chunk may hold less than one character)
+                usage = chunk["usage"]["completion_tokens"]
+    return {"ttft": times[0] - t0 if times else None, "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
+            "tokens": usage if usage is not None else tokens}
+
+
+async def level(url: str, model: str, clients: int, per_client: int) -> dict:
+    work = workload(clients, per_client)
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def run_client(items):
+            return [await one(client, url, model, p, n) for p, n in items]
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[run_client(w) for w in work])
+        wall = time.perf_counter() - t0
+    flat = [r for rs in results for r in rs]
+    ttft = sorted(r["ttft"] for r in flat if r["ttft"] is not None)
+    itl = sorted(x for r in flat for x in r["itl"])
+    tokens = sum(r["tokens"] for r in flat)
+
+    def pct(xs, p):
+        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+    return {"clients": clients, "requests": len(flat), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+
+
+def greedy_text(url: str, model: str) -> str:
+    r = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": model, "prompt": "The history of the city begins", "max_tokens": 12, "temperature": 0})
+    return r.json()["choices"][0]["text"]
+
+
+def per_client(clients: int) -> int:
+    return max(1, 2 // clients)
+
+
+def run_all(args) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    levels = [int(x) for x in args.clients.split(",")]
+    rows, checks = [], {}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        ours, hf = make_models(tmp)
+        py = sys.executable
+        tf_bin = str(Path(py).with_name("transformers"))
+        setups = [
+            ("gptforge serve", [py, "-m", "gptforge", "serve", "--ckpt", str(ours), "--max-batch-size", "64",
+                                "--max-queue", "1024", "--log-level", "warning"], "gpt2-124m", levels),
+            ("gptforge serve, one request at a time", [py, "-m", "gptforge", "serve", "--ckpt", str(ours),
+                                                       "--max-batch-size", "1", "--max-queue", "1024",
+                                                       "--log-level", "warning"], "gpt2-124m",
+             [x for x in levels if x in (1, 16)]),
+            ("transformers serve --continuous-batching", [tf_bin, "serve", str(hf), "--continuous-batching",
+                                                          "--device", "cpu", "--dtype", "float32"], str(hf), levels),
+        ]
+        for name, cmd, model, lv in setups:
+            port = free_port()
+            cmd = [*cmd, "--port", str(port)]
+            print(f"== {name}", file=sys.stderr, flush=True)
+            with server(cmd, port, env, tmp / f"{len(rows)}.log") as url:
+                checks[name] = greedy_text(url, model)
+                for c in lv:
+                    r = asyncio.run(level(url, model, c, per_client(c)))
+                    r["server"] = name
+                    rows.append(r)
+                    print(f"   {c:3d} clients: {r['tok_s']:7.1f} tok/s  ttft p50 {r['ttft_p50']:.3f} "
+                          f"p99 {r['ttft_p99']:.3f}  itl p50 {r['itl_p50'] * 1e3:.1f} ms p99 "
+                          f"{r['itl_p99'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    return report(rows, checks, load_before, load_after, args)
+
+
+def report(rows, checks, load_before, load_after, args) -> str:
+    import torch
+
+    def get(server, c):
+        return next((r for r in rows if r["server"] == server and r["clients"] == c), None)
+
+    lines = ["| server | clients | requests | output tokens | wall s | output tok/s | TTFT p50 s | TTFT p99 s "
+             "| ITL p50 ms | ITL p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['wall']:.1f} | "
+                     f"{r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['itl_p50'] * 1e3:.1f} | "
+                     f"{r['itl_p99'] * 1e3:.1f} |")
+    g16, one16 = get("gptforge serve", 16), get("gptforge serve, one request at a time", 16)
+    peer16, g1 = get("transformers serve --continuous-batching", 16), get("gptforge serve", 1)
+    goals = []
+    if g16 and one16:
+        goals.append(f"- 16 clients vs one request at a time: {g16['tok_s'] / one16['tok_s']:.2f}x (goal >= 4x)")
+    if g16 and peer16:
+        goals.append(f"- 16 clients vs transformers serve: {g16['tok_s'] / peer16['tok_s']:.2f}x (goal >= 2x)")
+    if g16 and g1:
+        goals.append(f"- p99 ITL at 16 clients / batch-1 decode step (ITL p50 at 1 client): "
+                     f"{g16['itl_p99'] / g1['itl_p50']:.2f}x (goal <= 2x)")
+    same = len(set(checks.values())) == 1
+    head = [f"Machine: {cpu_name()} ({os.cpu_count()} cores; flags {cpu_flags()}), torch {torch.__version__}, "
+            f"{args.threads} thread(s) per server (OMP_NUM_THREADS).",
+            f"Load average before/after: {' '.join(f'{x:.2f}' for x in load_before)} / "
+            f"{' '.join(f'{x:.2f}' for x in load_after)}.",
+            f"Command: `python benchmarks/serve_load.py --clients {args.clients} --threads {args.threads}`.",
+            f"Greedy check (same prompt, both servers): {'identical text' if same else 'DIFFERENT: ' + repr(checks)}."]
+    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(goals) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="1,4,16,64")
+    p.add_argument("--out", help="also write the markdown table to this file")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of both servers (default 1: on a shared, oversubscribed 2-core machine "
+                        "two threads per process run slower than one)")
+    args = p.parse_args()
+    text = run_all(args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""`gptforge serve`: an OpenAI-compatible HTTP server with continuous batching.
+
+    gptforge serve --ckpt DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    gptforge serve --ckpt ONNX_DIR --backend onnx
+
+Serves every model directory `generate` reads (ours, QAT, INT8, pruned, HF, .pdparams) with
+the torch backend, and `gptforge export --format onnx` directories with onnxruntime (docs/serve.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from gptforge.commands.common import add_config_args
+from gptforge.errors import UsageError
+
+EXTRA_HINT = "pip install 'gptforge[serve]'"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, ckpt_help="model directory (ours, QAT, INT8, pruned, HF GPT-2, .pdparams), or with "
+                                 "--backend onnx a `gptforge export --format onnx` directory")
+    p.add_argument("--backend", default="torch", choices=("torch", "onnx"), help="torch (default) or onnx (onnxruntime)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory name)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("GPTFORGE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GPTFORGE_API_KEY, else none)")
+    p.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="sequences decoded together (default 16)")
+    p.add_argument("--max-tokens-in-flight", type=int, metavar="N",
+                   help="KV positions (prompt + max_tokens) reserved by running sequences at most "
+                        "(default: max-batch-size x context length)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="sequences waiting for a slot before new requests get 429 (default 256)")
+    p.add_argument("--prefill-tokens", type=int, default=32, metavar="N",
+                   help="prompt tokens prefilled per step beside the running decodes, a multiple of 32 (default 32)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the plain-text one, docs/serve.md)")
+    p.add_argument("--threads", type=int, metavar="N", help="onnx: onnxruntime intra-op threads")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def check_serve_extra() -> None:
+    """The `serve` extra is importable, or a one-line error naming the install command."""
+    for name in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise UsageError(f"gptforge serve needs the {name} package, which is not installed: {EXTRA_HINT}") from None
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not args.ckpt:
+        raise UsageError("give the model to serve with --ckpt DIR")
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
+                             ("--port", args.port, 0), ("--prefill-tokens", args.prefill_tokens, 32)):
+        if value < low:
+            raise UsageError(f"{flag}: must be >= {low}, got {value}")
+    if args.prefill_tokens % 32:
+        raise UsageError(f"--prefill-tokens: must be a multiple of 32 (the prompt chunk), got {args.prefill_tokens}")
+    if args.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout: must be >= 0, got {args.drain_timeout}")
+
+
+def load_served_model(args: argparse.Namespace):
+    """(our model or an onnxruntime StepBackend, config, tokenizer) for `--ckpt` / `--backend`."""
+    if args.backend == "onnx":
+        from gptforge.commands.export import EXTRA_HINT as EXPORT_HINT
+        from gptforge.export.common import load_export_config, read_export_dir
+
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--backend onnx needs onnxruntime, which is not installed: {EXPORT_HINT}") from None
+        from gptforge.export.ort_generate import load_onnx_dir
+
+        path, _ = read_export_dir(args.ckpt, "onnx")
+        cfg = load_export_config(path, args.config, args.override)
+        return load_onnx_dir(path, cfg, threads=args.threads)
+    from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
+
+    cfg = config_from_args(args)
+    return load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    check_serve_extra()
+    from gptforge.serve.server import DrainingServer, ServeOptions, build_state
+
+    name = args.model_name or Path(args.ckpt).resolve().name
+    model, cfg, tok = load_served_model(args)
+    opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+                        max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight,
+                        max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
+                        drain_timeout=args.drain_timeout, chat_template=args.chat_template)
+    state = build_state(model, tok, cfg.Generation, opts)
+    server = DrainingServer(state, opts, log_level=args.log_level)
+    print(f"gptforge serve: {name} ({args.backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    server.run()
+    return 0

@@ -1,0 +1,151 @@
+"""Per-sequence KV slots and the ragged step that continuous batching (`gptforge serve`) runs.
+
+A `SeqSlot` holds one sequence's keys/values, `[1, heads, capacity, head_dim]` per layer, sized
+for that sequence alone and freed with it. A `RaggedBatch` is one forward pass over several
+sequences: their new tokens (a prefill chunk or one decode token each) are packed into a single
+row `[1, sum T_i]`, so every Linear runs once over all of them, and attention is computed per
+sequence over its own slot, with exactly the mask a solo `generate` would use (no padding
+inside attention). With the backend's batch-invariant Linears this makes each sequence's
+logits independent of what shares its batch.
+
+`SequentialSlots` gives the same interface over any `StepBackend` (e.g. onnxruntime): one
+batch-1 cache per sequence and one backend step per sequence and chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gptforge.model.gpt import GPT
+
+
+class SeqSlot:
+    """Key/value buffers of one sequence; `length` positions are filled."""
+
+    def __init__(self, layer_heads: list[int], capacity: int, head_dim: int, dtype, device):
+        self.k = [torch.empty(1, h, capacity, head_dim, dtype=dtype, device=device) for h in layer_heads]
+        self.v = [torch.empty_like(k) for k in self.k]
+        self.capacity = capacity
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module, capacity: int) -> SeqSlot:
+        # The model's own cache factory knows its dtype (an INT8 model keeps float activations).
+        probe = model.new_cache(1, 1)
+        heads = [k.shape[1] for k in probe.k]
+        return cls(heads, capacity, probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device)
+
+
+@dataclass
+class Segment:
+    """New tokens of one sequence in a ragged step."""
+
+    slot: object
+    token_ids: list[int]
+    start: int  # position of the first new token (= tokens already in the slot)
+    want_logits: bool  # return the logits after its last token
+
+
+class RaggedBatch:
+    """The cache object `GPT.hidden_states` sees for one ragged step (it implements `attend`)."""
+
+    def __init__(self, segments: Sequence[Segment], device):
+        self.segments = list(segments)
+        ids, pos, want, offset = [], [], [], 0
+        for s in self.segments:
+            n = len(s.token_ids)
+            if s.slot.length != s.start or s.start + n > s.slot.capacity:
+                raise ValueError(f"slot holds {s.slot.length} of {s.slot.capacity} positions; cannot add {n} "
+                                 f"tokens at {s.start}")
+            ids += s.token_ids
+            pos += range(s.start, s.start + n)
+            offset += n
+            if s.want_logits:
+                want.append(offset - 1)
+        self.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        self.position_ids = torch.tensor([pos], dtype=torch.long, device=device)
+        self.logits_index = torch.tensor(want, dtype=torch.long, device=device)
+        self.length = 0  # read by `hidden_states` as the shared start; positions are explicit here
+
+    def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
+        """Store each sequence's new keys/values in its slot and attend over that slot only."""
+        outs, o = [], 0
+        for s in self.segments:
+            n, start, slot = len(s.token_ids), s.start, s.slot
+            end = start + n
+            slot.k[layer][:, :, start:end] = k[:, :, o:o + n]
+            slot.v[layer][:, :, start:end] = v[:, :, o:o + n]
+            keys, values = slot.k[layer][:, :, :end], slot.v[layer][:, :, :end]
+            # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
+            mask, causal = GPT.attention_mask(n, start, None, q.device)
+            outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))
+            o += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def commit(self) -> None:
+        """Advance every slot past the tokens this step wrote (after the forward pass)."""
+        for s in self.segments:
+            s.slot.length = s.start + len(s.token_ids)
+
+
+class RaggedSlots:
+    """Continuous-batching steps over a `TorchBackend`: one forward per step for all sequences."""
+
+    ragged = True
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.device = backend.device
+
+    def new_slot(self, capacity: int):
+        return self.backend.new_slot(capacity)
+
+    def step(self, segments: Sequence[Segment]) -> torch.Tensor:
+        """Logits [R, V] after the last token of each segment with `want_logits`, in order."""
+        return self.backend.step_ragged(RaggedBatch(segments, self.device))
+
+
+class _SeqCache:
+    def __init__(self, cache, capacity: int):
+        self.cache, self.capacity, self.length = cache, capacity, 0
+
+
+class SequentialSlots:
+    """The same interface over any `StepBackend`: a batch-1 cache per sequence, one backend step
+    per segment (sequences take turns within a step; no batching of the matrix products)."""
+
+    ragged = False
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.device = backend.device
+
+    def new_slot(self, capacity: int):
+        return _SeqCache(self.backend.new_cache(1, capacity), capacity)
+
+    @torch.inference_mode()
+    def step(self, segments: Sequence[Segment]) -> torch.Tensor:
+        rows = []
+        for s in segments:
+            n = len(s.token_ids)
+            ids = torch.tensor([s.token_ids], dtype=torch.long, device=self.device)
+            pos = torch.arange(s.start, s.start + n, device=self.device)[None]
+            logits = self.backend.step(ids, pos, None, s.slot.cache)
+            s.slot.length = s.start + n
+            if s.want_logits:
+                rows.append(logits[0].float())
+        if not rows:
+            return torch.empty(0, self.backend.vocab_size)
+        return torch.stack(rows)
+
+
+def slots_for(backend) -> RaggedSlots | SequentialSlots:
+    """Ragged batching where the backend supports it (our models), else per-sequence steps."""
+    if hasattr(backend, "step_ragged") and getattr(backend, "use_cache", True):
+        return RaggedSlots(backend)
+    return SequentialSlots(backend)
+

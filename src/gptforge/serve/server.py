@@ -1,0 +1,112 @@
+"""Running `gptforge serve`: the engine over a backend, the app, and uvicorn with a graceful drain.
+
+SIGTERM (or SIGINT) starts the drain: new requests get 503 while queued and running requests
+finish; after `drain_timeout` seconds whatever is left is aborted (finish_reason "abort"), then
+uvicorn closes. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gptforge.generate.backend import PREFILL_CHUNK, TorchBackend
+from gptforge.generate.slots import slots_for
+from gptforge.serve.app import ServeState, create_app
+from gptforge.serve.chat import ChatTemplate
+from gptforge.serve.engine import Engine
+from gptforge.serve.metrics import ServeMetrics
+
+
+@dataclass
+class ServeOptions:
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_batch_size: int = 16
+    max_tokens_in_flight: int | None = None
+    max_queue: int = 256
+    prefill_tokens: int = PREFILL_CHUNK
+    drain_timeout: float = 30.0
+    chat_template: str | None = None
+
+
+def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions) -> ServeState:
+    """A started engine and the app state over our model (ragged batching) or any StepBackend
+    (e.g. onnxruntime: one batch-1 step per sequence)."""
+    from gptforge.generate.api import special_ids
+
+    close = None
+    if isinstance(model_or_backend, torch.nn.Module):
+        backend = TorchBackend(model_or_backend, prepack=generation.fast_cpu_decode).__enter__()
+        close = backend.__exit__
+    else:
+        backend = model_or_backend
+    eos, _ = special_ids(generation, tokenizer.eos_token_id)
+    limit = tokenizer.vocab_size if tokenizer.vocab_size < backend.vocab_size else None
+    metrics = ServeMetrics()
+    engine = Engine(slots_for(backend), tokenizer, eos_token_ids=eos, vocab_limit=limit,
+                    max_positions=backend.max_positions, max_batch_size=opts.max_batch_size,
+                    max_tokens_in_flight=opts.max_tokens_in_flight, max_queue=opts.max_queue,
+                    prefill_tokens=opts.prefill_tokens, metrics=metrics).start()
+    return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
+                      ChatTemplate(opts.chat_template), api_key=opts.api_key, close=close)
+
+
+class DrainingServer:
+    """uvicorn.Server whose exit signal drains first (see the module docstring)."""
+
+    def __init__(self, state: ServeState, opts: ServeOptions, log_level: str = "info"):
+        import uvicorn
+
+        self.state, self.opts = state, opts
+        config = uvicorn.Config(create_app(state), host=opts.host, port=opts.port, log_level=log_level,
+                                timeout_graceful_shutdown=5, lifespan="off")
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # noqa: ARG002
+                outer.begin_drain()
+
+        self.server = _Server(config)
+        self._drain_started = False
+
+    def begin_drain(self) -> None:
+        """Stop accepting requests, let running ones finish (bounded), then stop the server."""
+        if self._drain_started:  # a second signal: exit now
+            self.server.force_exit = self.server.should_exit = True
+            return
+        self._drain_started = True
+        self.state.draining = True
+        self.state.engine.drain()
+        threading.Thread(target=self._drain, name="gptforge-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.opts.drain_timeout
+        while time.monotonic() < deadline and (self.state.inflight or not self.state.engine.idle()):
+            time.sleep(0.05)
+        if not self.state.engine.idle():
+            self.state.engine.abort_all()
+            end = time.monotonic() + 2
+            while self.state.inflight and time.monotonic() < end:
+                time.sleep(0.05)
+        self.server.should_exit = True
+
+    def run(self) -> None:
+        try:
+            self.server.run()
+        finally:
+            self.state.engine.stop()
+            if self.state.close is not None:
+                self.state.close(None, None, None)
+
+    @property
+    def started(self) -> bool:
+        return self.server.started
+
+
+__all__ = ["DrainingServer", "ServeOptions", "build_state"]
