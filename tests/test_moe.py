@@ -96,12 +96,13 @@ def test_bad_moe_keys_are_one_line(over, msg):
     (("Model.num_experts=3", "Distributed.ep_degree=2"), "must divide every Model.num_experts"),
     (("Model.num_experts=4", "Distributed.ep_degree=2", "Distributed.mp_degree=2"), "composes with data parallel only"),
     (("Model.num_experts=4", "Distributed.ep_degree=4"), "must divide dp_degree=2"),
+    (("Model.num_experts=4", "Distributed.pp_degree=2"), "pipeline parallel does not train MoE models"),
 ])
 def test_bad_expert_parallel_layouts_are_one_line(over, msg):
     from gptforge.config.loader import check_distributed
 
     with pytest.raises(ConfigError, match=msg):
-        world = 4 if "Distributed.mp_degree=2" in over else 2
+        world = 4 if {"Distributed.mp_degree=2", "Distributed.pp_degree=2"} & set(over) else 2
         check_distributed(tiny_config(*over, "Distributed.dp_degree=2"), world_size=world)
 
 
