@@ -68,9 +68,10 @@ def test_config_reads_no_checkpoints_and_model_io_needs_no_training():
     assert not _below("gptforge.model_io", ("gptforge.train", "gptforge.commands"))
 
 
-def test_the_model_file_is_pure_pytorch():
-    allowed = {"gptforge.config.schema"}  # the typed shape it is built from
-    assert GRAPH["gptforge.model.gpt"] <= allowed, GRAPH["gptforge.model.gpt"]
+def test_the_model_files_are_pure_pytorch():
+    shape = {"gptforge.config.schema"}  # the typed shape they are built from
+    assert GRAPH["gptforge.model.moe"] <= shape, GRAPH["gptforge.model.moe"]
+    assert GRAPH["gptforge.model.gpt"] <= shape | {"gptforge.model.moe"}, GRAPH["gptforge.model.gpt"]
 
 
 def test_no_import_circles():
