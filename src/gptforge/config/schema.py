@@ -233,6 +233,8 @@ class GenerationConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     seed: int | None = None
+    draft: str | None = None  # speculative decoding: a draft model directory with the same tokenizer
+    num_draft_tokens: str = "5"  # tokens the draft proposes per target step: an integer, or auto (adapts to acceptance)
 
 
 @dataclass

@@ -200,6 +200,19 @@ class TorchBackend:
         return logits.float()
 
     @torch.inference_mode()
+    def step_all(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        """Like `step`, but the logits of every new position, [B, T, V] float32 (speculative
+        decoding verifies T draft tokens in one pass)."""
+        rows = input_ids.shape[0] * input_ids.shape[1]
+        if self.prepack and self._open and not self._packed_rows and rows <= PACKED_MAX_ROWS:
+            self._pack(rows)
+        h = self.model.hidden_states(input_ids, position_ids, attention_mask, cache)
+        if self._head is not None and rows <= PACKED_MAX_ROWS:
+            flat = torch.ops.mkldnn._linear_pointwise(h.reshape(rows, -1), self._head, None, "none", [], "")
+            return flat.view(h.shape[0], h.shape[1], -1).float()
+        return self.model.logits(h).float()
+
+    @torch.inference_mode()
     def reorder(self, cache, index: torch.Tensor):
         cache.reorder(index)
         return cache
