@@ -148,8 +148,8 @@ class _Lane:
         dev = self.be.device
         tokens, valid = tokens.to(dev), valid.to(dev)
         T = tokens.shape[1]
-        if self.length + T > self.cap:
-            self._compact()
+        if self.length + T > self.cap:  # pragma: no cover - `reserve` runs before every round
+            raise RuntimeError("speculative decoding: a round outgrew its reserved cache columns")
         start = self.length
         self.mask[:, start:start + T] = valid
         if not bool(valid.all()):
@@ -159,6 +159,12 @@ class _Lane:
         mask = self.mask[:, :start + T] if self.holes else None
         fn = self.be.step_all if all_logits else self.be.step
         return fn(tokens, pos, mask, self.cache)
+
+    def reserve(self, width: int) -> int:
+        """Make room for `width` more columns (compacting holes away if needed); the start column."""
+        if self.length + width > self.cap:
+            self._compact()
+        return self.length
 
     def keep(self, start: int, width: int, counts: torch.Tensor) -> None:
         """Of the `width` columns fed since `start`, keep the first `counts[r]` per row: roll the
@@ -180,7 +186,7 @@ class _Lane:
         if self.cap <= T:  # pragma: no cover - the capacity leaves room for a round by construction
             raise RuntimeError("speculative decoding: KV cache full after compaction")
         key = torch.where(valid, torch.arange(n, device=valid.device), -1)
-        index = key.sort(1, stable=True).indices[:, n - T:]  # each row's valid slots, right-aligned
+        index = key.sort(dim=1, stable=True).indices[:, n - T:]  # each row's valid slots, right-aligned
         _gather(self.cache, index)
         kept = valid.gather(1, index)
         self.mask.zero_()
@@ -335,6 +341,7 @@ class SpeculativeDecoder:
         rem = self.max_new - ngen
         k = min(self.k, int(rem[alive].max()) - 1)
         if k < 1:  # at most one token left in every row: one plain target step
+            tgt.reserve(1)
             logits = tgt.feed(x[:, None], ones, all_logits=False)
             proc, warped = self._scores(hist, L + ngen, logits.float(), not self.greedy)
             nxt = proc.argmax(-1) if self.greedy else torch.multinomial(
@@ -344,7 +351,8 @@ class SpeculativeDecoder:
             return nxt[:, None], e
         was_alive = alive.clone()
         # -- draft: k tokens, one at a time (the first call also feeds a pending accepted token)
-        dstart = dft.length
+        dstart = dft.reserve(k + 1)
+        tstart = tgt.reserve(k + 1)
         if bool((has2 & alive).any()):
             cols, valid = torch.stack([pend, x], 1), torch.stack([has2, torch.ones_like(has2)], 1)
         else:
@@ -367,7 +375,6 @@ class SpeculativeDecoder:
             drafts[:, i] = d
             hist[hist_rows, L + ngen + i] = d
         # -- verify: the target scores [x, d1..dk] in one pass
-        tstart = tgt.length
         tl = tgt.feed(torch.cat([x[:, None], drafts], 1), ones.expand(N, k + 1), all_logits=True).float()
         procs, ps = [], []
         for i in range(k + 1):
