@@ -262,3 +262,25 @@ def test_tokenizer_mismatch_is_one_line_naming_both_dirs(run_cli, tmp_path):
     code, out2, _ = run_cli("generate", "--ckpt", tmp_path / "target", "--prompt", "the quick", "--no-stream",
                             "-o", "Generation.max_dec_len=4", "-o", "Generation.decode_strategy=greedy_search")
     assert out == out2
+
+
+def test_onnx_target_and_onnx_draft(run_cli, fp32, int8):
+    """`infer` with a model-directory draft, `generate` with an ONNX (INT8) draft: the output of
+    plain greedy decoding."""
+    pytest.importorskip("onnxruntime")
+    model_dir, onnx_dir = fp32
+    _, int8_onnx = int8
+    args = ["--prompt", "the quick brown fox", "--prompt", "pack my box", "--no-stream",
+            "-o", "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=12"]
+    code, plain, err = run_cli("infer", "--onnx", onnx_dir, *args)
+    assert code == 0, err
+    code, spec, err = run_cli("infer", "--onnx", onnx_dir, *args, "-o", f"Generation.draft={model_dir}",
+                              "-o", "Generation.num_draft_tokens=3")
+    assert code == 0, err
+    assert spec == plain
+    code, plain, err = run_cli("generate", "--ckpt", model_dir, *args)
+    assert code == 0, err
+    code, spec, err = run_cli("generate", "--ckpt", model_dir, *args, "-o", f"Generation.draft={int8_onnx}",
+                              "-o", "Generation.num_draft_tokens=auto")
+    assert code == 0, err
+    assert spec == plain
