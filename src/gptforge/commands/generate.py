@@ -108,11 +108,32 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
-    model, cfg, tok = load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
-    return emit(model, tok, prompts, cfg, args, do_stream, "generate")
+    device = select_device(cfg.Global.device)
+    model, cfg, tok = load_model_and_tokenizer(args, cfg, device=device)
+    draft = load_draft_for(cfg, tok, args.ckpt, device=device)
+    return emit(model, tok, prompts, cfg, args, do_stream, "generate", draft=draft)
 
 
-def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str) -> int:
+def load_draft_for(cfg, tok, target: str, device=None, threads: int | None = None):
+    """The `Generation.draft` model for speculative decoding (None when unset): a model
+    directory of any format, or an ONNX export (run in onnxruntime); its tokenizer must be `tok`'s."""
+    from gptforge.export.common import META_FILE
+    from gptforge.generate.speculative import check_same_tokenizer, load_draft
+
+    path = cfg.Generation.draft
+    if not path:
+        return None
+    if (Path(path) / META_FILE).is_file():
+        from gptforge.export.ort_generate import load_onnx_dir
+
+        backend, _, dtok = load_onnx_dir(path, threads=threads)
+        check_same_tokenizer(dtok, tok, path, target)
+        return backend
+    return load_draft(path, device=device, tokenizer=tok, target_name=target)
+
+
+def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str,
+         draft=None) -> int:
     """Generate with `model` (our GPT or a StepBackend) and print as `gptforge generate` does
     (shared with `gptforge infer`)."""
     from gptforge.generate import generate, stream
@@ -121,7 +142,7 @@ def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_strea
     results = []
     if do_stream:
         for prompt in prompts:
-            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt)
+            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt, draft=draft)
             sys.stdout.write(prompt)
             sys.stdout.flush()
             for piece in s:
@@ -131,7 +152,7 @@ def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_strea
             results.append(s.result)
     else:
         res = generate(model, tok, prompts, g, truncate_prompt=args.truncate_prompt,
-                       batch_size=args.batch_size, progress=len(prompts) > args.batch_size)
+                       batch_size=args.batch_size, progress=len(prompts) > args.batch_size, draft=draft)
         results.append(res)
         many = len(prompts) > 1 or g.num_return_sequences > 1
         for i, prompt in enumerate(res.prompts):

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_export_config(path, args.config, args.override)
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
+    from gptforge.commands.generate import load_draft_for
     from gptforge.export.ort_generate import load_onnx_dir
 
     backend, cfg, tok = load_onnx_dir(path, cfg, int8_gemm=args.int8_gemm, threads=args.threads)
-    return emit(backend, tok, prompts, cfg, args, do_stream, "infer")
+    draft = load_draft_for(cfg, tok, args.onnx, threads=args.threads)
+    return emit(backend, tok, prompts, cfg, args, do_stream, "infer", draft=draft)

@@ -182,6 +182,13 @@ class SaveLoadConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str | None = None  # a model directory (same tokenizer): adds a KL-to-teacher term to the training loss
+    alpha: float = 0.5  # loss = (1 - alpha) * cross-entropy + alpha * temperature^2 * KL(teacher || student)
+    temperature: float = 1.0  # both distributions are softened by it before the KL
+
+
+@dataclass
 class EngineConfig:
     run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
     max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
@@ -197,6 +204,7 @@ class EngineConfig:
     on_nonfinite: str = "stop"  # stop | skip: what a non-finite fp32/bf16 loss does
     verbose: int | None = None  # accepted, no effect (auto-parallel engine's log verbosity)
     auto_mode: str | None = None  # accepted, no effect (auto-parallel engine: semi)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation from a teacher model
 
 
 @dataclass
@@ -247,6 +255,8 @@ class GenerationConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     seed: int | None = None
+    draft: str | None = None  # speculative decoding: a draft model directory with the same tokenizer
+    num_draft_tokens: str = "5"  # tokens the draft proposes per target step: an integer, or auto (adapts to acceptance)
 
 
 @dataclass

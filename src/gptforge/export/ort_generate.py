@@ -116,14 +116,23 @@ class OrtBackend:
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
              cache: OrtCache) -> torch.Tensor:
+        return self._run(input_ids, position_ids, attention_mask, cache, last_only=True)[:, -1]
+
+    def step_all(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache: OrtCache) -> torch.Tensor:
+        """Logits of every new position, [B, T, V] (speculative decoding's verification)."""
+        return self._run(input_ids, position_ids, attention_mask, cache, last_only=False)
+
+    def _run(self, input_ids, position_ids, attention_mask, cache: OrtCache, last_only: bool) -> torch.Tensor:
         B, T = input_ids.shape
         mask = np.ones((B, cache.length + T), dtype=np.int64) if attention_mask is None else _np(attention_mask)
+        index = np.array([T - 1], dtype=np.int64) if last_only else np.arange(T, dtype=np.int64)
         feeds: dict[str, Any] = {"input_ids": _np(input_ids), "position_ids": _np(position_ids),
-                                 "attention_mask": mask, "logits_index": np.array([T - 1], dtype=np.int64)}
+                                 "attention_mask": mask, "logits_index": index}
         feeds.update(zip(self.input_names[4:], cache.arrays, strict=True))
         out = self.session.run(None, feeds)
         cache.arrays = out[1:]
-        return torch.from_numpy(out[0][:, -1])
+        return torch.from_numpy(out[0])
 
     def reorder(self, cache: OrtCache, index: torch.Tensor) -> OrtCache:
         idx = index.detach().cpu().numpy()

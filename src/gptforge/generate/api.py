@@ -13,6 +13,7 @@ code drives an ONNX Runtime model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import sys
@@ -29,6 +30,12 @@ from gptforge.generate.beam import beam_search
 from gptforge.generate.memory import check_decode_fits
 from gptforge.generate.processors import LogitsProcessor, build_processors, build_warpers
 from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
+from gptforge.generate.speculative import (
+    SpeculativeDecoder,
+    check_speculative,
+    load_draft,
+    parse_num_draft_tokens,
+)
 
 STRATEGIES = ("sampling", "greedy_search", "beam_search")
 
@@ -74,6 +81,8 @@ def check_config(cfg: GenerationConfig) -> None:
         if s == "greedy_search" and cfg.num_return_sequences > 1:
             raise bad("num_return_sequences", f"{cfg.num_return_sequences} with greedy_search would repeat "
                       "one sequence; use sampling or beam_search")
+    if cfg.draft:
+        check_speculative(cfg)
 
 
 def special_ids(cfg: GenerationConfig, tokenizer_eos: int | None) -> tuple[list[int], int]:
@@ -120,9 +129,19 @@ def _generator(cfg: GenerationConfig, device) -> torch.Generator | None:
 
 
 def _search(be, batch: PromptBatch, cfg: GenerationConfig, eos: list[int], pad: int,
-            vocab_limit: int | None, extra: Sequence[LogitsProcessor]):
-    """A `TokenDecoder` (greedy/sampling) or the finished beam-search output."""
+            vocab_limit: int | None, extra: Sequence[LogitsProcessor], draft=None):
+    """A `TokenDecoder` (greedy/sampling), a `SpeculativeDecoder` (with a `draft` backend) or
+    the finished beam-search output."""
     procs = build_processors(cfg, batch.length, eos, vocab_limit, extra)
+    if draft is not None:
+        check_speculative(cfg)
+        greedy = cfg.decode_strategy == "greedy_search"
+        k, adaptive = parse_num_draft_tokens(cfg.num_draft_tokens)
+        return SpeculativeDecoder(be, draft, batch, num_draft_tokens=k, adaptive=adaptive,
+                                  max_new_tokens=cfg.max_dec_len, greedy=greedy, processors=procs,
+                                  warpers=None if greedy else build_warpers(cfg),
+                                  generator=_generator(cfg, be.device), eos_token_ids=eos, pad_token_id=pad,
+                                  num_return_sequences=cfg.num_return_sequences, early_finish=cfg.early_finish)
     if cfg.decode_strategy == "beam_search":
         return beam_search(be, batch, num_beams=cfg.num_beams, max_new_tokens=cfg.max_dec_len, processors=procs,
                            eos_token_ids=eos, pad_token_id=pad, length_penalty=cfg.length_penalty,
@@ -134,19 +153,44 @@ def _search(be, batch: PromptBatch, cfg: GenerationConfig, eos: list[int], pad: 
                         early_finish=cfg.early_finish)
 
 
+def _resolve_draft(cfg: GenerationConfig, draft, tokenizer=None, device=None):
+    """The draft to use: the one given, else `Generation.draft` loaded (tokenizer checked), else None."""
+    if draft is not None or not cfg.draft:
+        return draft
+    return load_draft(cfg.draft, device=device, tokenizer=tokenizer)
+
+
+@contextlib.contextmanager
+def _backends(model, draft, cfg: GenerationConfig):
+    """(target backend, draft backend or None), open for the duration."""
+    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+        if draft is None:
+            yield be, None
+            return
+        with as_backend(draft, prepack=cfg.fast_cpu_decode) as dbe:
+            yield be, dbe
+
+
+def _device_of(model):
+    return model.wte.weight.device if isinstance(model, torch.nn.Module) else getattr(model, "device", None)
+
+
 def generate_ids(model, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
                  eos_token_id: int | None = None, vocab_limit: int | None = None,
-                 processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False) -> SearchOutput:
+                 processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
+                 draft=None) -> SearchOutput:
     """Generate from token-id prompts. `model`: our GPT or a `StepBackend`. `eos_token_id` is
     the default for `Generation.eos_token_id`/`pad_token_id`; ids >= `vocab_limit` are never
-    generated. Returns `SearchOutput` rows ordered prompt-major (`num_return_sequences` each)."""
+    generated. `draft` (a model or `StepBackend`; default: `Generation.draft` loaded) turns on
+    speculative decoding. Returns `SearchOutput` rows ordered prompt-major (`num_return_sequences` each)."""
     cfg = config or GenerationConfig()
     check_config(cfg)
     eos, pad = special_ids(cfg, eos_token_id)
-    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+    draft = _resolve_draft(cfg, draft, device=_device_of(model))
+    with _backends(model, draft, cfg) as (be, dbe):
         ids = fit_prompts(prompt_ids, cfg.max_dec_len, be.max_positions, be.vocab_size, truncate_prompt)
         check_decode_fits(be, cfg, len(ids), max(map(len, ids), default=1), vocab_limit)
-        out = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, vocab_limit, processors)
+        out = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, vocab_limit, processors, dbe)
         return out if isinstance(out, SearchOutput) else out.run()
 
 
@@ -185,16 +229,18 @@ def _prepare(model, tokenizer, prompts, config, device, truncate):
 
 def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationConfig | None = None,
              device=None, *, processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
-             batch_size: int | None = None, progress: bool = False) -> GenerationResult:
+             batch_size: int | None = None, progress: bool = False, draft=None) -> GenerationResult:
     """Generate continuations of text prompts (batched, left-padded). `device` moves the model
     there first; `batch_size` splits many prompts into batches (default: one batch), with a
-    progress bar on stderr if `progress`."""
+    progress bar on stderr if `progress`. `draft` (a model or `StepBackend` with the same
+    tokenizer; default: `Generation.draft` loaded) turns on speculative decoding."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompts, config, device, truncate_prompt)
+    draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
     res = GenerationResult(texts, [], [], [], [], prompt_tokens=[len(p) for p in ids])
     n = cfg.num_return_sequences
     bs = batch_size or len(ids)
     t0 = time.perf_counter()
-    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+    with _backends(model, draft, cfg) as (be, dbe):
         check_decode_fits(be, cfg, min(bs, len(ids)), max(map(len, ids), default=1), limit)
         starts = range(0, len(ids), bs)
         if progress:
@@ -203,7 +249,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationC
             starts = tqdm(starts, desc="generate", unit="batch", file=sys.stderr)
         for start in starts:
             chunk = ids[start: start + bs]
-            out = _search(be, left_pad(chunk, pad, be.device), cfg, eos, pad, limit, processors)
+            out = _search(be, left_pad(chunk, pad, be.device), cfg, eos, pad, limit, processors, dbe)
             out = out if isinstance(out, SearchOutput) else out.run()
             seqs = out.sequences()
             res.new_tokens += int(out.lengths.sum())
@@ -261,15 +307,16 @@ class TextStream:
     """Iterate to receive text deltas (complete characters only) of one continuation as it is
     generated; after the loop `result` holds the `GenerationResult`."""
 
-    def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors):
+    def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors, draft=None):
         self._args = (model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors)
+        self._draft = draft
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
         model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors = self._args
         t0 = time.perf_counter()
-        with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
-            dec = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, limit, processors)
+        with _backends(model, self._draft, cfg) as (be, dbe):
+            dec = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, limit, processors, dbe)
             text = IncrementalDecoder(tokenizer)
             for nxt in dec:
                 tok = int(nxt[0])
@@ -290,13 +337,15 @@ class TextStream:
 
 
 def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None, device=None, *,
-           processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False) -> TextStream:
+           processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False, draft=None) -> TextStream:
     """Text deltas of one continuation as they are generated (greedy or sampling, one sequence).
-    The config and prompt are checked now; generation runs while you iterate."""
+    The config and prompt are checked now; generation runs while you iterate. `draft`: as in
+    `generate`."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompt, config, device, truncate_prompt)
     if len(texts) != 1:
         raise DataError(f"stream takes one prompt, got {len(texts)}; use generate() for a batch")
     if cfg.decode_strategy == "beam_search" or cfg.num_return_sequences != 1:
         raise ConfigError("Generation.decode_strategy: streaming needs one sequence from greedy_search or "
                           "sampling (beam search only knows its best sequence at the end); use generate()")
-    return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors)
+    draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
+    return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors, draft)

@@ -253,6 +253,15 @@ class TorchBackend:
         return self.project(h.index_select(0, batch.logits_index))
 
     @torch.inference_mode()
+    def step_all(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        """Like `step`, but the logits of every new position, [B, T, V] float32 (speculative
+        decoding verifies T draft tokens in one pass)."""
+        self._ensure_packed()  # the one batch-invariant layout, whatever the row count
+        h = self.model.hidden_states(input_ids, position_ids, attention_mask, cache)
+        B, T = h.shape[:2]
+        return self.project(h.reshape(B * T, -1)).view(B, T, -1)
+
+    @torch.inference_mode()
     def reorder(self, cache, index: torch.Tensor):
         cache.reorder(index)
         return cache

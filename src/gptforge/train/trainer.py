@@ -31,6 +31,7 @@ from gptforge.errors import ConfigError, GPTForgeError, UsageError
 from gptforge.model import moe
 from gptforge.train import checkpoint as ckpt
 from gptforge.train import dist_checkpoint as dist_ckpt
+from gptforge.train.distill import Distiller
 from gptforge.train.metrics import (
     MoEWindow,
     RunLogger,
@@ -119,6 +120,8 @@ class Trainer:
     training starts.
     """
 
+    distiller: Distiller | None = None  # Engine.distill: the teacher term of the loss
+
     def __init__(self, cfg: Config, model: nn.Module | None = None, tokenizer=None, *,
                  transform: Callable[[nn.Module], nn.Module] | None = None,
                  datasets: dict | None = None, resume: str | Path | None = None,
@@ -194,6 +197,7 @@ class Trainer:
         if self.resume_dir is not None and not resumed_whole:
             ckpt.load_model_weights(self.resume_dir, model)
         self.model = model  # the plain model: saved, evaluated, handed back
+        self.distiller = Distiller.from_config(cfg, self.device, int(model.wte.weight.shape[0]))
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         vocab = getattr(getattr(model, "config", None), "vocab_size", cfg.Model.vocab_size)
         if self.tokenizer.vocab_size > vocab:
@@ -311,6 +315,8 @@ class Trainer:
         with self.precision.autocast():
             out = model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
                         loss_mask=batch["loss_mask"])
+            if self.distiller is not None and model.training:  # evaluation reports the plain loss
+                return self.distiller.loss(out.loss, out.logits, batch)
         return out.loss
 
     def train_step(self, batch: dict) -> dict:
