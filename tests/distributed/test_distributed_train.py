@@ -39,7 +39,7 @@ def test_distributed_saves_are_atomic_and_keep_last(dist_runs):
     meta = ckpt.read_meta(step)
     assert meta["format"] == "dcp" and meta["consumed_samples"] == 5 * 4
     assert meta["distributed"] == {"world_size": 2, "dp_degree": 1, "sharding_degree": 2, "mp_degree": 1,
-                                   "pp_degree": 1, "strategy": "fsdp"}
+                                   "pp_degree": 1, "ep_degree": 1, "strategy": "fsdp"}
 
 
 @pytest.mark.parametrize("name", ["resume_w1_tp", "resume_w1_fsdp3"])
