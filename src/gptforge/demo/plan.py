@@ -52,6 +52,10 @@ class Settings:
     device: str = "auto"
     seed: int = 1024
     shape: Shape = field(default_factory=lambda: FULL)
+    # The pretraining schedule (chosen by benchmarks/demo_sweep.py for the default budget).
+    max_lr: float = 2.0e-3
+    min_lr: float = 2.0e-4
+    warmup_rate: float = 0.02
 
     def fingerprint(self) -> dict:
         d = asdict(self)
@@ -185,8 +189,8 @@ def write_configs(s: Settings, p: Paths, steps: Steps) -> dict[str, Path]:
     pre["Model"] = {"vocab_size": s.vocab_size, "hidden_size": sh.hidden, "num_layers": sh.layers,
                     "num_attention_heads": sh.heads, "ffn_hidden_size": sh.ffn, "max_position_embeddings": sh.seq,
                     "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    pre["Optimizer"] = {"weight_decay": 0.01, "lr": {"decay_steps": steps.pretrain, "warmup_rate": 0.02,
-                                                     "max_lr": 2.0e-3, "min_lr": 2.0e-4},
+    pre["Optimizer"] = {"weight_decay": 0.01, "lr": {"decay_steps": steps.pretrain, "warmup_rate": s.warmup_rate,
+                                                     "max_lr": s.max_lr, "min_lr": s.min_lr},
                         "grad_clip": {"clip_norm": 1.0}}
 
     ft_log = max(steps.finetune // 4, 1)
