@@ -111,9 +111,9 @@ def test_epoch_run_cli_saves_evaluates_and_follows_the_schedule(tmp_path, base, 
     assert "best (epoch" in out and "[Eval] epoch: 2" in (out_dir / "train.log").read_text()
 
     # gptforge eval on the dev file: the task metric, equal to the run's last evaluation
-    code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3")
+    code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3", "--out", out_dir / "glue.json")
     assert code == 0, err
-    got = json.loads((out_dir / "epoch_3" / "eval_results_glue.json").read_text())
+    got = json.loads((out_dir / "glue.json").read_text())
     assert got["task"] == "SST2" and got["results"]["dev"]["acc"] == res["evals"][-1]["dev"]["acc"]
     assert got["results"]["dev"]["loss"] == pytest.approx(res["evals"][-1]["dev"]["loss"], rel=1e-5)
     code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3", "--glue-file", sst2 / "train.tsv",

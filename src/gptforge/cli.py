@@ -17,6 +17,13 @@ import sys
 from gptforge import __version__
 from gptforge.errors import GPTForgeError
 from gptforge.fsguard import disk_full_errno, disk_full_error
+from gptforge.progress import configure as configure_progress
+
+
+def add_progress_args(p: argparse.ArgumentParser) -> None:
+    from gptforge.commands.common import add_progress_args as add
+
+    add(p)
 
 # verb -> (module, one-line help). Order is the order of the life cycle.
 VERBS: dict[str, tuple[str, str]] = {
@@ -62,6 +69,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == verb:
             importlib.import_module(module).add_arguments(p)
+            add_progress_args(p)
     return parser
 
 
@@ -95,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _ignore_file_size_signal()
+    # The stages read the choice from the environment (gptforge.progress), child processes too.
     module = importlib.import_module(VERBS[args.verb][0])
     try:
-        return int(module.run(args) or 0)
+        with configure_progress(getattr(args, "no_progress", False), getattr(args, "quiet", False)):
+            return int(module.run(args) or 0)
     except GPTForgeError as e:
         return _print_error(args.verb, e)
     except Exception as e:

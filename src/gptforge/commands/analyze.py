@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_out_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,12 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, metavar="N", help=(
         "write skip_tensor_map.yaml leaving the N most sensitive layers float, and print the -o override and "
         "gptforge qat command"))
-    p.add_argument("--out", default="analysis_results", metavar="DIR", help="output directory (default: %(default)s)")
+    add_out_arg(p, "output directory: analysis.txt/.json/.png, skip_tensor_map.yaml (default: %(default)s)",
+                default="analysis_results")
     p.add_argument("--no-resume", action="store_true", help=(
         "start over even if <out>/analysis.json holds progress for the same inputs (default: resume it)"))
     p.add_argument("--no-plot", action="store_true", help="do not write analysis.png")
     p.add_argument("--show", type=int, default=20, metavar="N", help="rows of the ranking printed (default 20; 0 = all)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, device choice, model loading."""
+"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, `--out`, `--no-progress/--quiet`,
+device choice, model loading (the conventions are in docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,30 @@ def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: st
         p.add_argument("--ckpt", metavar="DIR", help=ckpt_help or (
             "model directory: ours, an HF GPT-2 directory, or a PaddleFleetX model.pdparams; "
             "its config and tokenizer are used, so -c is optional"))
+
+
+def add_out_arg(p: argparse.ArgumentParser, help: str, *, aliases: tuple[str, ...] = (), metavar: str = "DIR",
+                default: str | None = None, required: bool = False) -> None:
+    """`--out` (dest `out`), the output location of every verb that writes; `aliases` keep a
+    verb's older spellings working. `help` names the default output."""
+    p.add_argument("--out", *aliases, dest="out", metavar=metavar, default=default, required=required, help=help)
+
+
+def add_progress_args(p: argparse.ArgumentParser, nested: bool = False) -> None:
+    """`--no-progress` and `--quiet`, the same on every verb (`nested`: on a sub-action's parser,
+    where a default would overwrite the flag given before the action)."""
+    kw = {"default": argparse.SUPPRESS} if nested else {}
+    p.add_argument("--no-progress", action="store_true", help=(
+        "no progress bars and no periodic progress lines (default: a bar with an ETA on a terminal, "
+        "plain periodic lines when stderr is redirected)"), **kw)
+    p.add_argument("--quiet", action="store_true", help=(
+        "also no informational lines: print only errors and the final result"), **kw)
+
+
+def out_dir_override(args: argparse.Namespace) -> list[str]:
+    """`-o` overrides with `--out DIR` appended as Engine.save_load.output_dir (it wins over -c/-o)."""
+    out = getattr(args, "out", None)
+    return [*args.override, f"Engine.save_load.output_dir={out}"] if out else list(args.override)
 
 
 def config_from_args(args: argparse.Namespace, require: bool = False, world_size: int | None = None) -> Config:

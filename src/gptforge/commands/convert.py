@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, ensure_out_dir
+from gptforge.commands.common import add_config_args, add_out_arg, ensure_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, metavar="PATH",
                    help="source: our model dir (a distributed step_N checkpoint too), an HF GPT-2 dir, "
                         "a model.pdparams (or its dir)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    add_out_arg(p, "output model directory (required; no default)", required=True)
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")

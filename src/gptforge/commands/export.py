@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_out_arg
 from gptforge.errors import UsageError
 
 FORMATS = ("hf", "onnx", "torch")
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, metavar="{hf,onnx,torch}",
                    help="hf: a transformers GPT-2 directory; onnx: the decoding-step graph (fp32 or INT8 QDQ); "
                         "torch: the same step as a torch.export program")
-    p.add_argument("--out", metavar="DIR", help="output directory (written atomically)")
+    add_out_arg(p, "output directory, written atomically (required; no default)")
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
                         "model's weights (activations stay float)")

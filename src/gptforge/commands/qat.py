@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.common import add_config_args, add_out_arg, config_from_args, out_dir_override
 from gptforge.errors import UsageError
 
 
@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help=(
         "resume: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh when there "
         "is none); DIR = that checkpoint"))
-    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    add_out_arg(p, "run directory: step_N checkpoints with the scales, metrics.jsonl, train.log (= -o "
+                "Engine.save_load.output_dir=DIR, and wins over it; default: the config's Engine.save_load.output_dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.compress.qat import qat
     from gptforge.train import checkpoint as ckpt
 
+    args.override = out_dir_override(args)
     cfg = config_from_args(args, require=True)
     resume = args.resume
     if resume is not None and cfg.Engine.save_load.ckpt_dir:

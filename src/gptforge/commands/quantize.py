@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_out_arg
 from gptforge.errors import UsageError
 
 
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "kernels on x86 CPUs, or print a quantized model's per-layer quantization.")
     add_config_args(p, ckpt_help="the QAT/PTQ model directory (a training step_N works)")
     p.add_argument("--convert", action="store_true", help="write the real INT8 model to --out")
-    p.add_argument("--out", metavar="DIR", help="output directory for --convert")
+    add_out_arg(p, "output directory of the INT8 model with --convert (required with it; no default)")
     p.add_argument("--embedding", choices=("auto", "int8", "float"), default="auto",
                    help="the tied word embedding / LM head: auto (default) = int8 per row when the model was trained "
                         "with it quantized (Compress.Quantization.quantize_embedding), else float; int8 / float force it")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gptforge.commands.common import add_out_arg, add_progress_args
 from gptforge.errors import UsageError
 
 
@@ -23,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--min-frequency", type=int, default=2, metavar="N", help="merge pairs seen at least N times (default 2)")
     t.add_argument("--json-key", default="text", metavar="KEY", help="jsonl field holding the text")
     t.add_argument("--min-doc-length", type=int, default=10, metavar="N", help="skip documents of <= N characters")
-    t.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, vocab.json, merges.txt")
+    add_out_arg(t, "directory for tokenizer.json, vocab.json, merges.txt (required; no default)", required=True)
     t.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_args(t, nested=True)
     s = sub.add_parser("show", help="vocabulary size, EOS id, fingerprint and an example")
     _source_args(s)
     e = sub.add_parser("encode", help="print the token ids of TEXT (or of stdin)")

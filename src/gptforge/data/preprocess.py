@@ -507,7 +507,7 @@ def remove_stale_temps(prefix: Path) -> list[Path]:
 def _output_prefix(output_prefix: str | os.PathLike) -> Path:
     text = strip_suffix(os.fspath(output_prefix))
     if not text or text.endswith(("/", os.sep)) or Path(text).is_dir():
-        raise DataError(f"--output-prefix {text!r}: is a directory; give a file-name prefix such as "
+        raise DataError(f"--out {text!r}: is a directory; give a file-name prefix such as "
                         f"{os.path.join(text.rstrip('/') or '.', 'NAME')}")
     return Path(text)
 

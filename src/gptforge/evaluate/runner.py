@@ -15,13 +15,9 @@ from gptforge.evaluate.lambada import evaluate_lambada
 from gptforge.evaluate.wikitext import evaluate_wikitext
 
 
-def default_output(kind: str, ckpt: str | os.PathLike | None = None) -> Path:
-    """`<ckpt dir or cwd>/eval_results_<kind>.json`; the cwd when the checkpoint is read-only."""
-    if ckpt is not None:
-        d = Path(ckpt)
-        d = d if d.is_dir() else d.parent
-        if os.access(d, os.W_OK):
-            return d / f"eval_results_{kind}.json"
+def default_output(kind: str) -> Path:
+    """`./eval_results_<kind>.json`: results go where the user works, never into a model
+    directory (which may be shared, read-only, or another run's checkpoint) unless asked."""
     return Path.cwd() / f"eval_results_{kind}.json"
 
 
@@ -81,7 +77,7 @@ def run_eval(cfg, model: torch.nn.Module, tokenizer, *, output: str | os.PathLik
                      "amp_dtype": str(common["amp_dtype"]).replace("torch.", "") if common["amp_dtype"] else None}
     res["model"] = model_identity(model, cfg, ckpt)
     res["tokenizer"] = tokenizer_identity(tokenizer)
-    out = Path(output or oe.output or default_output(res["task"], ckpt))
+    out = Path(output or oe.output or default_output(res["task"]))
     res["output"] = str(out)
     write_json_atomic(out, res)
     if echo:
