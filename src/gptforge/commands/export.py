@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _hf(model, cfg, tok, args) -> int:
     from gptforge.export.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
+    from gptforge.progress import task
 
-    r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
-                max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
+    with task("export", "writing the HF GPT-2 directory"):
+        r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
+                    max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
     shards = [f for f in r.files if f.endswith(".safetensors")]
     notes = []
     if r.source_kind != "float":
@@ -149,18 +151,22 @@ def _classifier(ckpt, cfg, args) -> int:
         raise UsageError("--format torch exports language models; export a classifier with --format hf or onnx")
     if args.format == "onnx" and args.precision == "int8":
         raise UsageError("--precision int8: a classifier exports as fp32 ONNX (quantized weights folded)")
+    from gptforge.progress import task as progress_task
+
     clf, cfg, tok, task = load_classifier(ckpt, cfg, device="cpu")
     if args.format == "hf":
         from gptforge.export.classifier import save_hf_classifier
 
-        r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
-                               max_shard_size=args.max_shard_size, overwrite=True)
+        with progress_task("export", "writing the HF classifier directory"):
+            r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
+                                   max_shard_size=args.max_shard_size, overwrite=True)
         print(f"gptforge export: hf GPT2ForSequenceClassification, {r.num_classes} labels, pad_token_id "
               f"{r.pad_token_id}{f', {r.source_kind} weights folded' if r.source_kind != 'float' else ''} -> {r.out_dir}")
         return 0
     from gptforge.export.classifier import export_onnx_classifier
 
-    r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
+    with progress_task("export", "writing the ONNX classifier"):
+        r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
     c = r.check
     check = f"; check: max |logit diff| {c['max_abs_diff']:.2e}" if c else "; not checked"
     print(f"gptforge export: onnx classifier fp32, {r.num_classes} logits{check} ({r.seconds:.1f} s) -> {r.out_dir}")

@@ -67,7 +67,12 @@ def _train(args: argparse.Namespace) -> int:
         from gptforge.data.preprocess import iter_documents
 
         docs = iter_documents(args.input, json_key=args.json_key, min_doc_length=args.min_doc_length)
-    tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=not args.no_progress)
+    from gptforge.progress import enabled, mode, task
+
+    # the tokenizers library draws its own bar (with \r): on a terminal only; a log gets two lines
+    bar = enabled() and mode() == "bar"
+    with task("tokenizer", f"learning {args.vocab_size} tokens", progress=False if bar else None):
+        tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=bar)
     with atomic_dir(args.out, overwrite=args.force) as tmp:
         tok.save(tmp)
     print(f"trained a byte-level BPE tokenizer: {tok.vocab_size} tokens, <|endoftext|> = {tok.eos_token_id}, "

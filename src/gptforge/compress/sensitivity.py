@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -412,12 +411,12 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
 
 def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fingerprint, progress) -> None:
     bar = None
-    if progress and todo:
-        from tqdm import tqdm
+    if progress is not False and todo:
+        from gptforge.progress import Progress
 
         n = len(result.order)
-        bar = tqdm(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer",
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = Progress(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer",
+                       progress=progress)
     try:
         for name in todo:
             t0 = time.perf_counter()
@@ -434,7 +433,7 @@ def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fi
             result.seconds += dt
             _write_state(path, result, fingerprint)
             if bar is not None:
-                bar.set_postfix_str(f"{reference_name(name)} {sens:+.4g}", refresh=False)
+                bar.set_postfix_str(f"{reference_name(name)} {sens:+.4g}")
                 bar.update(1)
     finally:
         if bar is not None:

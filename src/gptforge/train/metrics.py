@@ -179,14 +179,17 @@ class RunLogger:
     """Writes log lines to stdout + `train.log` and records to `metrics.jsonl` + TensorBoard.
 
     Only the main process writes; others get a logger whose methods do nothing (`enabled=False`).
-    A tqdm bar with ETA is shown on stderr when stderr is a terminal.
+    Progress on stderr as `gptforge.progress` decides: a bar with an ETA on a terminal, plain
+    periodic lines in a redirected log; `--quiet` also stops the echo of log lines to stdout.
     """
 
     def __init__(self, run_dir: Path | None, enabled: bool = True, tensorboard: bool = True,
                  total_steps: int = 0, start_step: int = 0, progress: bool | None = None, echo: bool = True,
-                 truncate_after: int | None = None):
+                 truncate_after: int | None = None, desc: str = "train"):
+        from gptforge import progress as prog
+
         self.enabled = enabled and run_dir is not None
-        self.echo = echo
+        self.echo = echo and not prog.quiet()
         self.run_dir = run_dir
         self._log = self._jsonl = self._tb = self._bar = None
         if not self.enabled:
@@ -203,13 +206,9 @@ class RunLogger:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             except ImportError:
                 self.info("gptforge: TensorBoard events not written (pip install tensorboard)")
-        if progress is None:
-            progress = sys.stderr.isatty()
-        if progress and total_steps > start_step:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
-                             dynamic_ncols=True, leave=False)
+        if prog.enabled(progress) and total_steps > start_step:
+            self._bar = prog.Progress(total=total_steps, initial=start_step, unit="step", desc=desc,
+                                      progress=progress, leave=False)
 
     def info(self, line: str) -> None:
         """One human-readable line to stdout (above the bar) and train.log."""
@@ -241,7 +240,7 @@ class RunLogger:
         """Advance the bar to `step` (redraws are rate-limited by tqdm)."""
         if self._bar is not None:
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                self._bar.set_postfix(loss=f"{loss:.4f}")
             self._bar.update(step - self._bar.n)
 
     def close(self) -> None:

@@ -142,6 +142,7 @@ class Trainer:
         self.par = init_parallel(cfg, select_device(cfg.Global.device))
         self.device = self.par.device
         self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
+        self.verb = verb  # names the progress lines
         self.output_dir = Path(e.save_load.output_dir).expanduser()
         made_dir = not self.output_dir.exists()
         # One writer per run directory: a second one fails here, before any work, naming the holder.
@@ -461,7 +462,8 @@ class Trainer:
         # Records past the resumed step were logged by a run that died before saving them: drop
         # them so each step has one record however many times the run is resumed.
         log = RunLogger(self.output_dir, enabled=self.par.is_main, total_steps=self.max_steps,
-                        start_step=self.step, progress=self.progress, echo=self.echo, truncate_after=self.step)
+                        start_step=self.step, progress=self.progress, echo=self.echo, truncate_after=self.step,
+                        desc=self.verb)
         seq = cfg.Data.Train.dataset.max_seq_len
         tokens_per_step = self.gbs * seq
         save_steps = e.save_load.save_steps
