@@ -78,6 +78,13 @@ def _isatty(f) -> bool:
         return False
 
 
+def _columns(f) -> int:
+    try:
+        return os.get_terminal_size(f.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def _clock(seconds: float) -> str:
     s = int(max(seconds, 0) + 0.5)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -103,8 +110,10 @@ class Progress:
         if self.mode == "bar":
             from tqdm import tqdm
 
+            # a terminal that reports no width (a bare pty) would get an empty bar from tqdm
+            sized = _columns(sys.stderr) > 0
             self._bar = tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr,
-                             dynamic_ncols=True, leave=leave, unit_scale=unit_scale)
+                             dynamic_ncols=sized, ncols=None if sized else 100, leave=leave, unit_scale=unit_scale)
 
     # -- tqdm-like API
     def update(self, n: float = 1) -> None:
