@@ -15,8 +15,10 @@ QAT with those layers float. An interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from gptforge.commands.common import add_config_args, add_out_arg
+from gptforge.progress import info
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
     for line in table_lines(a, args.show or None):
         print(line)
     for note in res.notes:
-        print(f"note: {note}")
+        info(f"note: {note}", file=sys.stdout)
     print("wrote " + ", ".join(str(p) for p in res.files.values()))
     if res.top_k is None:
         if res.suggested_k:
-            print(f"the top {res.suggested_k} layers carry half of the positive sensitivity; "
-                  f"--top-k {res.suggested_k} writes their skip_tensor_map")
+            info(f"the top {res.suggested_k} layers carry half of the positive sensitivity; "
+                 f"--top-k {res.suggested_k} writes their skip_tensor_map", file=sys.stdout)
     else:
         print(f"skip the top {res.top_k} in the next QAT run: -o {res.override}")
         print(f"  {res.qat_command}")

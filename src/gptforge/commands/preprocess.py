@@ -71,5 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if stats.invalid_utf8_replaced:
         notes.append(f"{stats.invalid_utf8_replaced} invalid UTF-8 sequence(s) replaced by U+FFFD (--strict rejects them)")
     if notes:
-        print("note: " + "; ".join(notes))
+        import sys
+
+        from gptforge.progress import info
+
+        info("note: " + "; ".join(notes), file=sys.stdout)
     return 0
