@@ -43,7 +43,7 @@ def test_plain_lines_every_tenth_with_eta(monkeypatch, capsys):
             bar.update(1)
     err = capsys.readouterr().err
     lines = err.splitlines()
-    assert len(lines) == 11, lines  # 10 %, 20 %, ... 100 %, and the closing line
+    assert len(lines) == 10, lines  # 10 %, 20 %, ... 90 %, and the closing line
     assert lines[0].startswith("[export] 10% 2/20 layer eta 0:00:0"), lines[0]
     assert lines[-1].startswith("[export] 100% 20/20 layer in 0:00:0"), lines[-1]
     assert "\r" not in err and "\x1b[" not in err

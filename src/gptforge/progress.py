@@ -123,6 +123,8 @@ class Progress:
         elif self.mode == "plain":
             now = time.monotonic()
             frac = self.n / self.total if self.total else 0.0
+            if self.total and self.n >= self.total:
+                return  # the closing line reports the end
             if now - self._last_t >= INTERVAL_S or (self.total and frac - self._last_frac >= STEP_FRACTION - 1e-9):
                 self._line(now)
                 self._last_t, self._last_frac = now, frac
