@@ -145,7 +145,8 @@ def next_k(k: int, all_accepted: bool) -> int:
 
 # ------------------------------------------------------------------------------ caches
 
-def _truncate(cache, length: int) -> None:
+def truncate_cache(cache, length: int) -> None:
+    """Roll a KV cache (ours or onnxruntime's past arrays) back to its first `length` positions."""
     if hasattr(cache, "k"):  # our KVCache: slots past `length` are overwritten by the next write
         cache.length = length
     elif hasattr(cache, "arrays"):  # onnxruntime's concatenated past arrays
@@ -232,7 +233,7 @@ class _Lane:
         seg.masked_fill_(drop, 0)
         if bool(drop[:, :top].any()):
             self.holes = True
-        _truncate(self.cache, start + top)
+        truncate_cache(self.cache, start + top)
 
     def _compact(self) -> None:
         n = self.length
