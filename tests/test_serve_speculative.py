@@ -10,6 +10,8 @@ import asyncio
 import copy
 import dataclasses
 import re
+import time
+from collections import Counter
 
 import pytest
 import torch
@@ -51,14 +53,17 @@ def tok():
 @pytest.fixture(scope="module")
 def drafts(ckpt, model):
     """{"self": the target's weights loaded again (all accepted), "other": those weights with
-    noise (accepts some, rejects some)}."""
+    noise (accepts some, rejects some), "flat": its logits times 0.3 (the same ranking, a much
+    flatter distribution: sampling accepts some, rejects some)}."""
     same, _ = load_model(ckpt)
-    other = copy.deepcopy(model[0])
+    other, flat = copy.deepcopy(model[0]), copy.deepcopy(model[0])
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.03)
-    return {"self": same, "other": other.eval()}
+        flat.norm.weight.mul_(0.3)
+        flat.norm.bias.mul_(0.3)
+    return {"self": same, "other": other.eval(), "flat": flat.eval()}
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +199,50 @@ def test_cli_refuses_a_draft_with_another_tokenizer_in_one_line(run_cli, ckpt, t
     code, _, err = run_cli("serve", "--ckpt", ckpt, "--port", "0", "-o", f"Generation.draft={ckpt}",
                            "-o", "Generation.num_draft_tokens=0")
     assert code == 2 and "Generation.num_draft_tokens" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_speculative_sampling_in_the_engine_follows_the_target_distribution(model, tok, drafts):
+    """Chi-square over the first two tokens: the second is always a verified draft token (K=1)
+    or the target's correction, so p(t1, t2) must be the target's whatever the draft proposes."""
+    from scipy.stats import chisquare
+
+    from gptforge.generate.slots import slots_for
+    from gptforge.serve.engine import Engine, FinishEvent, Request, SamplingParams, TokenEvent
+
+    m, temp, top_k, n = model[0], 1.0, 3, 800
+    prompt = tok.encode("The cat sat on")
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids])).logits[0, -1].float() / temp
+        v, i = logits.topk(top_k)
+        return dict(zip(i.tolist(), v.softmax(-1).tolist(), strict=True))
+
+    expected = {(a, b): pa * pb for a, pa in dist(prompt).items() for b, pb in dist(prompt + [a]).items()}
+    seqs: dict[int, list[int]] = {}
+
+    def sink(ev):
+        if isinstance(ev, TokenEvent):
+            seqs.setdefault(ev.index, []).append(ev.token_id)
+        assert not (isinstance(ev, FinishEvent) and ev.reason == "error"), ev.error
+
+    with TorchBackend(m) as be, TorchBackend(drafts["flat"]) as dbe:
+        eng = Engine(slots_for(be), tok, eos_token_ids=[], vocab_limit=None, max_positions=be.max_positions,
+                     max_batch_size=256, max_queue=n, prefill_tokens=1024, draft_slots=slots_for(dbe),
+                     num_draft_tokens="1").start()
+        try:
+            req = Request([prompt], SamplingParams(max_tokens=3, temperature=temp, top_k=top_k, seed=0), n, sink)
+            eng.submit(req)
+            deadline = time.monotonic() + 120
+            while req.open and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            eng.stop()
+    assert req.open == 0 and len(seqs) == n
+    cells = sorted(expected)
+    counts = Counter(tuple(s[:2]) for s in seqs.values())
+    assert set(counts) <= set(cells)
+    obs = [counts[c] for c in cells]
+    exp = [expected[c] * n / sum(expected.values()) for c in cells]
+    assert chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
+    assert 0 < eng.accepted < eng.drafted == n  # the draft is right sometimes, wrong sometimes
