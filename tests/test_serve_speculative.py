@@ -246,3 +246,18 @@ def test_speculative_sampling_in_the_engine_follows_the_target_distribution(mode
     exp = [expected[c] * n / sum(expected.values()) for c in cells]
     assert chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
     assert 0 < eng.accepted < eng.drafted == n  # the draft is right sometimes, wrong sometimes
+
+
+def test_eos_inside_an_accepted_run_ends_the_sequence_there(model, tok, drafts):
+    prompt = "Once upon a time"
+    ids = generate(model[0], tok, [prompt], GenerationConfig(max_dec_len=20, decode_strategy="greedy_search"))
+    eos = ids.token_ids[0][0][6]  # a token greedy decoding emits 7th: make it the end-of-text token
+    cut = ids.token_ids[0][0].index(eos)
+    ref = generate(model[0], tok, [prompt], GenerationConfig(max_dec_len=20, decode_strategy="greedy_search",
+                                                             eos_token_id=eos))
+    with serving(model[0], tok, dataclasses.replace(_gen(model, "8"), eos_token_id=eos), draft=drafts["self"]) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert s.state.engine.accepted >= 8  # the EOS came inside a run of accepted tokens
+    assert r.choices[0].text == ref.texts[0][0] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == cut + 1  # the EOS counts, nothing after it
