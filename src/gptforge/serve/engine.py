@@ -161,7 +161,8 @@ class Engine:
         if draft_slots is not None and not getattr(slots, "ragged", False):
             raise ValueError("speculative decoding needs ragged target slots (logits of every position)")
         self.draft_slots = draft_slots
-        self.num_draft_tokens, self.adaptive = parse_num_draft_tokens(num_draft_tokens)
+        self.num_draft_tokens, self.adaptive = (parse_num_draft_tokens(num_draft_tokens) if draft_slots is not None
+                                                else (0, False))
         self.draft_max_positions = draft_max_positions or max_positions
         self.drafted = 0  # draft tokens proposed / accepted by the target, over all sequences
         self.accepted = 0
