@@ -101,7 +101,7 @@ def summary_lines(res: dict) -> list[str]:
                         if m["truncated_contexts"] else ""))
     else:
         lines.append(f"wikitext tokens: {m['num_tokens']} | original words: {m['num_original_tokens']} | "
-                     f"windows scored: {m['windows']}")
+                     f"windows scored: {m['windows']} | bits per byte: {m['bits_per_byte']:.4f}")
     ref = res.get("reference_aggregation")
     if ref:
         lines.append("EMULATED reference aggregation (x logging_freq batch 0, dropped tail; not correct): "
