@@ -384,7 +384,8 @@ def test_cli_wikitext_hf_dir_default_output(setup, run_cli, tmp_path, monkeypatc
                                 "-o", "Offline_Eval.max_seq_len=48", "-o", "Offline_Eval.overlapping_eval=16",
                                 "--emulate-reference-aggregation")
     assert code == 0, err
-    res = json.loads((hf / "eval_results_wikitext.json").read_text())
+    res = json.loads((tmp_path / "eval_results_wikitext.json").read_text())
+    assert not (hf / "eval_results_wikitext.json").exists()  # a model directory is never written by eval
     direct = evaluate_wikitext(model, tok, wiki, seq_len=48, stride=16)
     assert res["metrics"]["avg_loss"] == pytest.approx(direct["metrics"]["avg_loss"], rel=1e-5)
     assert "EMULATED reference aggregation" in stdout and "WikiText" in err  # labelled line; progress bar

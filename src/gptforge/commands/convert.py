@@ -37,19 +37,22 @@ def run(args: argparse.Namespace) -> int:
         save_hf_dir,
         save_model_dir,
     )
+    from gptforge.progress import task
 
     ensure_out_dir(args.out, args.force)
     src = resolve_checkpoint_path(args.src)
     cfg = load_run_config(args.config, args.override, ckpt_dir=src)
-    model, cfg = load_model(src, cfg)
+    with task(f"convert: reading {src.name}"):
+        model, cfg = load_model(src, cfg)
     sharded = src.is_dir() and is_distributed_checkpoint(src)
     if sharded:
         cfg = dataclasses.replace(cfg, Distributed=DistributedConfig())
     tok = load_tokenizer(args.tokenizer or cfg.Data.tokenizer, src if src.is_dir() else None)
-    if args.to == "hf":
-        save_hf_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
-    else:
-        save_model_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
+    with task(f"convert: writing {args.to}"):
+        if args.to == "hf":
+            save_hf_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
+        else:
+            save_model_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
     n = sum(p.numel() for p in model.parameters())
     what = f"{args.to}, {n / 1e6:.2f}M parameters" + (", joined from a distributed checkpoint" if sharded else "")
     print(f"converted {src} -> {args.out} ({what})")

@@ -15,8 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "With --harness: lm-eval tasks from local task YAMLs."
     )
     add_config_args(p)
-    p.add_argument("--output", metavar="FILE",
-                   help="results JSON (default: Offline_Eval.output, else <ckpt dir>/eval_results_<task>.json)")
+    p.add_argument("--out", "--output", dest="output", metavar="FILE",
+                   help="results JSON (default: Offline_Eval.output, else ./eval_results_<task>.json in the working "
+                        "directory; never inside the checkpoint unless given here)")
     p.add_argument("--emulate-reference-aggregation", action="store_true",
                    help="also report the number the reference's engine would log (batch 0 counted "
                         "logging_freq times, tail dropped); clearly labelled, never the main result")

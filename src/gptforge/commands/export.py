@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _hf(model, cfg, tok, args) -> int:
     from gptforge.export.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
+    from gptforge.progress import task
 
-    r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
-                max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
+    with task("export: HF safetensors directory"):
+        r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
+                    max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
     shards = [f for f in r.files if f.endswith(".safetensors")]
     notes = []
     if r.source_kind != "float":
@@ -117,6 +119,14 @@ def _hf(model, cfg, tok, args) -> int:
 
 
 def _program(model, cfg, tok, args) -> int:
+    from gptforge.progress import task
+
+    with task(f"export: {args.format} (trace, write{'' if args.no_check else ', check against PyTorch'})"):
+        r = _export_program(model, cfg, tok, args)
+    return _report_program(r, args)
+
+
+def _export_program(model, cfg, tok, args):
     if args.format == "onnx":
         from gptforge.export.onnx import export_onnx
 
@@ -127,6 +137,10 @@ def _program(model, cfg, tok, args) -> int:
 
         r = export_torch(model, args.out, tok, cfg=cfg, precision=args.precision, check=not args.no_check,
                          overwrite=True)
+    return r
+
+
+def _report_program(r, args) -> int:
     c = r.check
     check = (f"; check on {c['positions']} positions (prefill {c['prefill_tokens']} + {c['decode_steps']} cached "
              f"steps): max |logit diff| {c['max_abs_diff']:.2e}, argmax agreement {100 * c['argmax_agreement']:.2f}%"

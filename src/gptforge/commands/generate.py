@@ -32,7 +32,8 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they are generated (default: on when one sequence is asked for)")
-    p.add_argument("--json", metavar="OUT", help="also write prompts, texts, token ids and scores to this JSON file")
+    p.add_argument("--out", "--json", dest="json", metavar="FILE", help=(
+        "also write prompts, texts, token ids and scores to this JSON file (default: none; the text goes to stdout)"))
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts decoded together (default 8)")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="drop the beginning of prompts too long for the context window (default: error)")

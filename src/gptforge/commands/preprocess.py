@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "directories (searched recursively) or glob patterns; read in sorted order")
     src.add_argument("--builtin", action="store_true",
                      help="the built-in corpus: this Python's standard library (docstrings, help topics, source)")
-    p.add_argument("--output-prefix", "--output_prefix", required=True, metavar="PREFIX",
+    p.add_argument("--out", "--output-prefix", "--output_prefix", dest="output_prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX_ids.npy + PREFIX_idx.npz (+ PREFIX_meta.json)")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="gpt2 | a tokenizer directory or tokenizer.json | a model directory "

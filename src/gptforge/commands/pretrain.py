@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.common import add_config_args, add_run_dir_arg, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help=(
         "start a new run in an output directory that holds another run's checkpoints, deleting them (and its "
         "metrics.jsonl, train.log, tensorboard events); without it such a directory is refused"))
+    add_run_dir_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.common import add_config_args, add_run_dir_arg, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help=(
         "resume: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh when there "
         "is none); DIR = that checkpoint"))
+    add_run_dir_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.Engine.save_load.output_dir).expanduser()
     if resume is None and not cfg.Engine.save_load.ckpt_dir and ckpt.latest_checkpoint(out) is not None:
         raise UsageError(f"Engine.save_load.output_dir {out} already holds step checkpoints; choose another directory "
-                         "(-o Engine.save_load.output_dir=DIR) or continue that run with --resume auto")
+                         "(--out DIR) or continue that run with --resume auto")
     result = qat(cfg, resume=resume, progress=False if args.no_progress else None, overrides=args.override)
     print(f"gptforge qat: done at step {result.step}; checkpoint {result.checkpoint_dir}; "
           f"metrics {result.output_dir}/metrics.jsonl")

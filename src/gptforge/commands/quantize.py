@@ -46,8 +46,11 @@ def run(args: argparse.Namespace) -> int:
     with lock_output(args.out, "quantize"):  # a second writer of --out fails at once, naming this one
         ensure_out_dir(args.out, args.force)
         emb = {"auto": None, "int8": True, "float": False}[args.embedding]
-        r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
-                               overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
+        from gptforge.progress import task
+
+        with task(f"quantize: INT8 conversion{'' if args.no_check else ' and logits check'}"):
+            r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
+                                   overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
     check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "
              f"{100 * r.argmax_agreement:.2f}%" if r.tokens else "")
     print(f"gptforge quantize: {r.int8_layers} INT8 layers{' + int8 embedding' if r.int8_embedding else ''}, "

@@ -63,9 +63,9 @@ def calibrate(model: nn.Module, batches, algo: str = "avg", progress: bool = Fal
     try:
         it = batches
         if progress:
-            from tqdm import tqdm
+            from gptforge.progress import bar as progress_bar
 
-            it = tqdm(batches, desc="calibrate", unit="batch", file=sys.stderr, leave=False)
+            it = progress_bar(batches, desc="calibrate", unit="batch")
         for b in it:
             ids = b["tokens"] if isinstance(b, dict) else b
             pos = b.get("position_ids") if isinstance(b, dict) else None

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -413,11 +412,10 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
 def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fingerprint, progress) -> None:
     bar = None
     if progress and todo:
-        from tqdm import tqdm
+        from gptforge.progress import bar as progress_bar
 
         n = len(result.order)
-        bar = tqdm(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer",
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer")
     try:
         for name in todo:
             t0 = time.perf_counter()

@@ -268,7 +268,7 @@ class OfflineEvalConfig:
     batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
     max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context
     logging_freq: int = 10  # only used by `gptforge eval --emulate-reference-aggregation`
-    output: str | None = None  # results JSON (derived: <ckpt dir or cwd>/eval_results_<lambada|wikitext|harness>.json)
+    output: str | None = None  # results JSON (derived: ./eval_results_<lambada|wikitext|harness|glue>.json)
 
 
 @dataclass

@@ -346,7 +346,7 @@ def _single_threaded_children():
 
 def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Options, workers: int,
          total_bytes: int | None, progress: bool, sources: list[str]) -> PreprocessStats:
-    from tqdm import tqdm
+    from gptforge.progress import bar as progress_bar
 
     dtype = ids_dtype(tokenizer.vocab_size)
     created = []  # directories this run makes, deepest first, removed again on failure
@@ -374,8 +374,7 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
     t0 = time.perf_counter()
     kind, payload = _encoder_spec(tokenizer)
     executor = None
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
-               file=sys.stderr, mininterval=0.5)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", enabled=progress)
     try:
         remove_stale_temps(prefix)  # of killed runs into this prefix
         fd, ids_tmp = temp(IDS_SUFFIX)

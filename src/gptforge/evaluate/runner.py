@@ -16,12 +16,9 @@ from gptforge.evaluate.wikitext import evaluate_wikitext
 
 
 def default_output(kind: str, ckpt: str | os.PathLike | None = None) -> Path:
-    """`<ckpt dir or cwd>/eval_results_<kind>.json`; the cwd when the checkpoint is read-only."""
-    if ckpt is not None:
-        d = Path(ckpt)
-        d = d if d.is_dir() else d.parent
-        if os.access(d, os.W_OK):
-            return d / f"eval_results_{kind}.json"
+    """`./eval_results_<kind>.json` in the working directory. Never the checkpoint's directory: a
+    model directory holds the model, and an evaluation must not change it (give `--out` for
+    another place). `ckpt` is accepted for callers that pass it; it does not decide the place."""
     return Path.cwd() / f"eval_results_{kind}.json"
 
 

@@ -203,9 +203,13 @@ class RunLogger:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             except ImportError:
                 self.info("gptforge: TensorBoard events not written (pip install tensorboard)")
+        from gptforge import progress as _progress
+
+        if _progress.quiet():
+            self.echo = False  # --quiet: the log lines go to train.log only
         if progress is None:
-            progress = sys.stderr.isatty()
-        if progress and total_steps > start_step:
+            progress = _progress.mode() == "bar"  # redirected: the periodic log lines are the progress
+        if progress and total_steps > start_step and _progress.mode() != "off":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
