@@ -178,3 +178,25 @@ def test_plain_progress_unit():
     finally:
         os.environ.pop(progress.MODE_ENV, None)
         os.environ.pop(progress.EVERY_ENV, None)
+
+
+def test_task_lines_only_for_work_that_takes_time(capsys):
+    import time
+
+    from gptforge import progress
+
+    os.environ[progress.MODE_ENV] = "plain"
+    try:
+        with progress.task("quick"):
+            pass
+        assert capsys.readouterr().err == ""  # a quick step (or a quick error) adds no line
+        with progress.task("slow", after=0.05):
+            time.sleep(0.2)
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "[slow] ..." and re.fullmatch(r"\[slow\] done in \d+\.\d s", err[-1])
+        with pytest.raises(RuntimeError), progress.task("failing", after=0.05):
+            time.sleep(0.2)
+            raise RuntimeError("x")
+        assert "done" not in capsys.readouterr().err  # a failure is not reported as done
+    finally:
+        os.environ.pop(progress.MODE_ENV, None)

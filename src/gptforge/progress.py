@@ -180,13 +180,37 @@ def bar(iterable: Iterable | None = None, total: int | float | None = None, desc
 
 
 @contextlib.contextmanager
-def task(desc: str, enabled: bool = True) -> Iterator[None]:
-    """Work without a count (an ONNX export, a conversion): a line when it starts and one with
-    its time when it ends, in both bar and plain modes; nothing when progress is off."""
+def task(desc: str, enabled: bool = True, after: float = 2.0) -> Iterator[None]:
+    """Work without a count (an ONNX export, a conversion). Once it has run `after` seconds, a
+    line says what is running, then one every `GPTFORGE_PROGRESS_EVERY` seconds with the time
+    so far, and a last one with the time it took. Work that ends (or fails) sooner prints
+    nothing, so a quick error stays the one line it is. Nothing when progress is off."""
     if not enabled or mode() == "off":
         yield
         return
+    import threading
+
     t0 = time.monotonic()
-    print(f"[{desc}] ...", file=sys.stderr, flush=True)
-    yield
-    print(f"[{desc}] done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    every = float(os.environ.get(EVERY_ENV, "10") or 10)
+    stop = threading.Event()
+    spoke = threading.Event()
+
+    def watch() -> None:
+        if stop.wait(after):
+            return
+        spoke.set()
+        print(f"[{desc}] ...", file=sys.stderr, flush=True)
+        while not stop.wait(max(every, 0.5)):
+            print(f"[{desc}] {_hms(time.monotonic() - t0)} elapsed", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=watch, name="gptforge-progress", daemon=True)
+    thread.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        stop.set()
+        thread.join()
+        if ok and spoke.is_set():
+            print(f"[{desc}] done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
