@@ -205,6 +205,9 @@ class EngineConfig:
     verbose: int | None = None  # accepted, no effect (auto-parallel engine's log verbosity)
     auto_mode: str | None = None  # accepted, no effect (auto-parallel engine: semi)
     distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation from a teacher model
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow (docs/tracking.md)
+    tracker_project: str = "gptforge"  # W&B project / MLflow experiment
+    tracker_run_name: str | None = None  # W&B / MLflow run name (derived: the run directory's name)
 
 
 @dataclass

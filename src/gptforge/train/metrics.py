@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -184,11 +185,12 @@ class RunLogger:
 
     def __init__(self, run_dir: Path | None, enabled: bool = True, tensorboard: bool = True,
                  total_steps: int = 0, start_step: int = 0, progress: bool | None = None, echo: bool = True,
-                 truncate_after: int | None = None):
+                 truncate_after: int | None = None, trackers: Callable[[], list] | None = None):
         self.enabled = enabled and run_dir is not None
         self.echo = echo
         self.run_dir = run_dir
         self._log = self._jsonl = self._tb = self._bar = None
+        self._trackers: list = []
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +198,8 @@ class RunLogger:
             truncate_metrics(run_dir / "metrics.jsonl", truncate_after)
         self._log = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        if trackers is not None:  # W&B / MLflow (train/trackers.py): opened by the process that logs
+            self._trackers = trackers()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -236,6 +240,8 @@ class RunLogger:
         row.update({k: _jsonable(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
+        for t in self._trackers:
+            t.log(kind, step, values)
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -248,7 +254,11 @@ class RunLogger:
                 self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._bar.update(step - self._bar.n)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Flush and close every sink; `ok=False` marks tracker runs failed (an error ended them)."""
+        trackers, self._trackers = self._trackers, []
+        for t in trackers:
+            t.close(ok)
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
