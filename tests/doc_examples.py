@@ -81,7 +81,7 @@ PENDING_REASON = "examples not yet runnable as written (placeholders or files th
 PENDING = {
     "docs/analyze.md", "docs/data.md", "docs/demo.md", "docs/distributed.md", "docs/eval.md",
     "docs/export.md", "docs/infer.md", "docs/preprocess.md",
-    "docs/pretrain.md", "docs/prune.md", "docs/ptq.md", "docs/qat.md", "docs/quantize.md", "docs/tokenizer.md",
+    "docs/pretrain.md", "docs/prune.md", "docs/ptq.md", "docs/qat.md", "docs/quantize.md", 
 }
 
 
