@@ -86,7 +86,6 @@ PENDING = {
     "docs/eval.md",
     "docs/export.md",
     "docs/infer.md",
-    "docs/preprocess.md",
     "docs/prune.md",
     "docs/ptq.md",
     "docs/qat.md",
