@@ -80,7 +80,6 @@ def examples(path: Path) -> list[Example]:
 PENDING_REASON = "examples not yet runnable as written (placeholders or files the page does not make)"
 PENDING = {
     "docs/analyze.md",
-    "docs/data.md",
     "docs/demo.md",
     "docs/distributed.md",
     "docs/eval.md",
