@@ -32,11 +32,13 @@ class Served:
 
 @contextlib.contextmanager
 def serving(model, tok, generation, **opts):
-    """Run `gptforge serve`'s server for `model` in a thread; always stopped on exit."""
+    """Run `gptforge serve`'s server for `model` (with `draft=`: speculative decoding) in a thread;
+    always stopped on exit."""
     from gptforge.serve.server import DrainingServer, ServeOptions, build_state
 
+    draft = opts.pop("draft", None)
     o = ServeOptions(model_name=opts.pop("model_name", "tiny"), port=free_port(), **opts)
-    state = build_state(model, tok, generation, o)
+    state = build_state(model, tok, generation, o, draft=draft)
     srv = DrainingServer(state, o, log_level="warning")
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()

@@ -1,148 +1,202 @@
-"""One command-line convention (docs/cli.md): `--out` on every writing verb (old spellings as
-aliases), its default named in --help, `--no-progress` and `--quiet` on every verb."""
+"""One command-line convention (docs/cli.md): `--out` on every verb that writes (old spellings
+kept), `--quiet` and `--no-progress` on every verb, and progress that is a bar on a terminal,
+plain lines when redirected, and nothing when asked."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import fcntl
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
-from gptforge.cli import VERBS
+from gptforge.cli import VERBS, build_parser
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-TEXT = ("the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs.\n\n" * 40)
-
-# verb -> the default its --out help names (writers only)
-WRITERS = {
-    "preprocess": "required", "tokenizer train": "required", "pretrain": "Engine.save_load.output_dir",
-    "finetune": "Engine.save_load.output_dir", "generate": "default: none", "eval": "./eval_results_<task>.json",
-    "ptq": "required", "qat": "Engine.save_load.output_dir", "quantize": "required",
-    "analyze": "default: analysis_results", "prune": "Engine.save_load.output_dir", "export": "required",
-    "infer": "default: none", "convert": "required", "demo": "default: runs/demo",
+WRITERS = {  # verb (and sub-command) -> what its help must name as the default output
+    ("preprocess",): "PREFIX",
+    ("tokenizer", "train"): "DIR",
+    ("pretrain",): "Engine.save_load.output_dir",
+    ("finetune",): "Engine.save_load.output_dir",
+    ("generate",): "stdout",
+    ("eval",): "eval_results_",
+    ("ptq",): "DIR",
+    ("qat",): "Engine.save_load.output_dir",
+    ("quantize",): "DIR",
+    ("analyze",): "DIR",
+    ("prune",): "DIR",
+    ("export",): "DIR",
+    ("convert",): "DIR",
+    ("demo",): "runs/demo",
 }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A finished 2-step tiny training run (out/step_2), its config and a text file."""
+def _leaf_parsers(verb: str):
+    import argparse
+
+    p = build_parser(verb)
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[verb]
+    kids = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+    if not kids:
+        return {(verb,): sub}
+    return {(verb, name): child for a in kids for name, child in a.choices.items()}
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_every_verb_has_quiet_and_no_progress(verb):
+    for path, parser in _leaf_parsers(verb).items():
+        opts = parser._option_string_actions
+        assert "--quiet" in opts and "--no-progress" in opts, path
+
+
+@pytest.mark.parametrize("path,default", list(WRITERS.items()), ids=[" ".join(k) for k in WRITERS])
+def test_every_writer_has_out_and_names_its_default(path, default):
+    parser = _leaf_parsers(path[0])[path]
+    action = parser._option_string_actions.get("--out")
+    assert action is not None, f"gptforge {' '.join(path)} has no --out"
+    text = parser.format_help()
+    assert default in " ".join(text.split()), text
+
+
+@pytest.mark.parametrize("argv,dest,alias", [
+    (["preprocess", "--builtin", "--tokenizer", "gpt2"], "output_prefix", "--output-prefix"),
+    (["eval", "--ckpt", "m"], "output", "--output"),
+    (["generate", "--ckpt", "m", "--prompt", "x"], "json", "--json"),
+])
+def test_old_spellings_are_aliases_of_out(argv, dest, alias):
+    p = build_parser(argv[0])
+    new = p.parse_args([*argv, "--out", "X"])
+    old = p.parse_args([*argv, alias, "X"])
+    assert getattr(new, dest) == getattr(old, dest) == "X"
+
+
+def test_training_verbs_out_wins_over_yaml_and_o(tmp_path, run_cli):
     from gptforge.config import save_config
-    from gptforge.train import pretrain
-    from test_train_support import small_tokenizer, train_config
+    from test_train_support import train_config
 
-    root = tmp_path_factory.mktemp("conventions")
-    cfg = train_config(root, "Engine.save_load.save_steps=2", "Engine.eval_freq=100", steps=2)
-    save_config(cfg, root / "run.yaml")
-    pretrain(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
-    (root / "text.txt").write_text(TEXT)
-    return root
-
-
-def _help(run_cli, verb: str) -> str:
-    code, out, _ = run_cli(*verb.split(), "--help")
-    assert code == 0
-    return " ".join(out.split())
-
-
-@pytest.mark.parametrize("verb", [*VERBS, "tokenizer train"])
-def test_every_verb_has_quiet_and_no_progress(run_cli, verb):
-    text = _help(run_cli, verb)
-    assert "--no-progress" in text and "--quiet" in text, verb
-
-
-@pytest.mark.parametrize("verb", sorted(WRITERS))
-def test_every_writer_has_out_naming_its_default(run_cli, verb):
-    text = _help(run_cli, verb)
-    assert "--out" in text, verb
-    options = text.split("options:", 1)[1]
-    out_help = options[options.index("--out "):]
-    assert WRITERS[verb] in out_help[:400], (verb, out_help[:400])
-
-
-def _cases(root: Path, t: Path) -> dict[str, tuple[list, Path]]:
-    """verb -> (argv with the output flag last, the file `--out` must create under it)."""
-    step = root / "out" / "step_2"
-    tok = root / "tok"
-    data = ["-o", "Global.device=cpu"]
-    return {
-        "preprocess": (["preprocess", "--input", root / "text.txt", "--tokenizer", tok, "--workers", "1"],
-                       Path("_ids.npy")),
-        "tokenizer train": (["tokenizer", "train", "--input", root / "text.txt", "--vocab-size", "300"],
-                            Path("tokenizer.json")),
-        "pretrain": (["pretrain", "-c", root / "run.yaml", "-o", f"Engine.save_load.output_dir={t / 'ignored'}",
-                      "-o", "Engine.max_steps=1", "-o", "Engine.save_load.save_steps=1"], Path("step_1")),
-        "qat": (["qat", "--ckpt", step, "-o", "Engine.max_steps=1", "-o", "Engine.save_load.save_steps=1",
-                 "-o", "Compress.Quantization.enable=True", *data], Path("step_1")),
-        "eval": (["eval", "--ckpt", step, "-o", f"Offline_Eval.eval_path={root / 'text.txt'}",
-                  "-o", "Offline_Eval.max_seq_len=32", *data], Path("")),
-        "generate": (["generate", "--ckpt", step, "--prompt", "the quick", "-o", "Generation.max_dec_len=4",
-                      "--no-stream", *data], Path("")),
-        "ptq": (["ptq", "--ckpt", step, "-o", "Compress.Quantization.calib_batches=1", *data],
-                Path("model.safetensors")),
-        "analyze": (["analyze", "--mode", "ptq", "--float-ckpt", step, "--metric", "cosine", "--batches", "1",
-                     "--no-plot", *data], Path("analysis.json")),
-        "prune": (["prune", "--ckpt", step, "-o", "Engine.max_steps=1", "-o", "Engine.save_load.save_steps=1",
-                   "-o", "Compress.Prune.ratio=0.25", *data], Path("step_1")),
-        "export": (["export", "--ckpt", step, "--format", "hf"], Path("config.json")),
-        "convert": (["convert", "--src", step], Path("model.safetensors")),
-    }
-
-
-OLD_SPELLINGS = {"preprocess": "--output-prefix", "eval": "--output", "generate": "--json"}
-FILE_OUT = {"eval", "generate"}  # --out names a file
-PREFIX_OUT = {"preprocess"}  # --out names a file-name prefix
-
-
-@pytest.mark.parametrize("verb", ["preprocess", "tokenizer train", "pretrain", "qat", "eval", "generate", "ptq",
-                                  "analyze", "prune", "export", "convert"])
-def test_out_is_where_every_writer_writes(run, run_cli, tmp_path, verb):
-    argv, made = _cases(run, tmp_path)[verb]
-    flags = ["--out", *([OLD_SPELLINGS[verb]] if verb in OLD_SPELLINGS else [])]
-    for i, flag in enumerate(flags):
-        out = tmp_path / f"o{i}{'.json' if verb in FILE_OUT else ''}"
-        code, _, err = run_cli(*argv, "--no-progress", flag, out)
-        assert code == 0, (flag, err)
-        if verb in FILE_OUT:
-            assert json.loads(out.read_text()), flag
-        elif verb in PREFIX_OUT:
-            assert Path(f"{out}{made}").is_file(), flag
-        else:
-            assert (out / made).exists(), (flag, sorted(p.name for p in out.iterdir()))
-    if verb == "pretrain":  # --out wins over -o Engine.save_load.output_dir
-        assert not (tmp_path / "ignored").exists()
-        # the helper the help names: the run's config records --out as its output_dir
-        from gptforge.config import load_config
-
-        assert Path(load_config(tmp_path / "o0" / "step_1" / "config.yaml").Engine.save_load.output_dir) == \
-            tmp_path / "o0"
-
-
-def test_finetune_out_overrides_output_dir(run, run_cli, tmp_path, monkeypatch):
-    """finetune's --out reaches the config (a GLUE run itself is tested in test_finetune.py)."""
-    import gptforge.finetune.run as ft
-
-    seen = {}
-
-    class Res:
-        best, task, steps, checkpoint_dir = None, "SST2", 0, "x"
-
-    def fake(cfg, ckpt, device=None, progress=None):
-        seen["dir"] = cfg.Engine.save_load.output_dir
-        return Res()
-
-    monkeypatch.setattr(ft, "finetune", fake)
-    code, _, err = run_cli("finetune", "-c", run / "run.yaml", "-o", "Engine.save_load.output_dir=a",
-                           "--out", tmp_path / "ft")
+    cfg = train_config(tmp_path, steps=2)
+    save_config(cfg, tmp_path / "run.yaml")
+    out = tmp_path / "elsewhere"
+    code, stdout, err = run_cli("pretrain", "-c", tmp_path / "run.yaml", "-o", f"Engine.save_load.output_dir={tmp_path}/o",
+                                "--out", out, "--quiet")
     assert code == 0, err
-    assert Path(seen["dir"]) == tmp_path / "ft"
+    assert (out / "step_2").is_dir() and not (tmp_path / "o").exists() and not (tmp_path / "out").exists()
+    assert "[train]" not in stdout and "done at step 2" in stdout  # --quiet: the result line only
+    assert "[train]" in (out / "train.log").read_text()  # the log lines still reach the run's log
 
 
-def test_eval_default_is_the_working_directory_not_the_checkpoint(run, run_cli, tmp_path, monkeypatch):
-    argv, _ = _cases(run, tmp_path)["eval"]
-    monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(*argv, "--quiet")
-    assert code == 0, err
-    assert json.loads((tmp_path / "eval_results_wikitext.json").read_text())["metrics"]["ppl"] > 0
-    assert not list((run / "out" / "step_2").glob("eval_results_*"))
-    assert "ppl" in out.lower() or "perplexity" in out.lower()  # the results are printed too
+def _text_file(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(3000)))
+    return f
+
+
+def _preprocess(tmp_path, *extra, env=None):
+    return [sys.executable, "-m", "gptforge", "preprocess", "--input", str(_text_file(tmp_path)), "--tokenizer",
+            "gpt2", "--out", str(tmp_path / "p" / "c"), "--workers", "1", *extra]
+
+
+def test_redirected_output_has_plain_progress_lines(tmp_path):
+    env = dict(os.environ, GPTFORGE_PROGRESS_EVERY="0")  # a line at every update
+    r = subprocess.run(_preprocess(tmp_path), capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "\x1b[" not in r.stderr
+    assert re.search(r"^\[preprocess\] +\d+% .* elapsed, eta ", r.stderr, flags=re.M), r.stderr
+
+
+def test_no_progress_and_quiet_print_no_progress(tmp_path):
+    env = dict(os.environ, GPTFORGE_PROGRESS_EVERY="0")
+    for flag in ("--no-progress", "--quiet"):
+        d = tmp_path / flag[2:]
+        d.mkdir()
+        r = subprocess.run(_preprocess(d, flag), capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "[preprocess]" not in r.stderr and "\r" not in r.stderr, (flag, r.stderr)
+
+
+def _run_in_pty(argv, timeout=300) -> str:
+    """Run `argv` with stdout and stderr on a pseudo-terminal; returns what it printed."""
+    leader, follower = pty.openpty()
+    # a real terminal has a size; a fresh pseudo-terminal is 0x0, where tqdm draws nothing
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], timeout)
+            if not ready:
+                proc.kill()
+                raise AssertionError("no output from the process in a terminal")
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the process closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(leader)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")[-2000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_terminal_gets_a_bar_with_an_eta(tmp_path):
+    out = _run_in_pty(_preprocess(tmp_path))
+    assert "\r" in out and "preprocess:" in out and "%|" in out  # tqdm's bar
+    assert re.search(r"<\d\d:\d\d", out), out  # tqdm's remaining-time field
+    (tmp_path / "q").mkdir()
+    quiet = _run_in_pty(_preprocess(tmp_path / "q", "--no-progress"))
+    assert "%|" not in quiet
+
+
+def test_plain_progress_unit():
+    from gptforge import progress
+
+    os.environ[progress.MODE_ENV] = "plain"
+    os.environ[progress.EVERY_ENV] = "0"
+    try:
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stderr(buf):
+            assert list(progress.bar(range(4), desc="work", unit="item")) == [0, 1, 2, 3]
+        lines = buf.getvalue().splitlines()
+        assert lines[0].startswith("[work]  25% 1/4 item") and "eta" in lines[0]
+        assert lines[-1].startswith("[work] done: 4 item in 0:00:00")
+        with progress.settings(no_progress=True):
+            assert progress.mode() == "off"
+            assert list(progress.bar([1, 2])) == [1, 2]
+        assert progress.mode() == "plain"  # restored
+    finally:
+        os.environ.pop(progress.MODE_ENV, None)
+        os.environ.pop(progress.EVERY_ENV, None)
+
+
+def test_task_lines_only_for_work_that_takes_time(capsys):
+    import time
+
+    from gptforge import progress
+
+    os.environ[progress.MODE_ENV] = "plain"
+    try:
+        with progress.task("quick"):
+            pass
+        assert capsys.readouterr().err == ""  # a quick step (or a quick error) adds no line
+        with progress.task("slow", after=0.05):
+            time.sleep(0.2)
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "[slow] ..." and re.fullmatch(r"\[slow\] done in \d+\.\d s", err[-1])
+        with pytest.raises(RuntimeError), progress.task("failing", after=0.05):
+            time.sleep(0.2)
+            raise RuntimeError("x")
+        assert "done" not in capsys.readouterr().err  # a failure is not reported as done
+    finally:
+        os.environ.pop(progress.MODE_ENV, None)

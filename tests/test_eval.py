@@ -295,6 +295,22 @@ def test_wikitext_matches_hf_sliding_window_recipe(setup, hf_model, L, s):
             break
     res = evaluate_wikitext(model, tok, wiki, seq_len=L, stride=s)
     assert res["metrics"]["avg_loss"] == pytest.approx(nll_sum / (seq_len - 1), rel=1e-5)
+    # bits per byte: the same NLL over the UTF-8 bytes after the first (unscored) token
+    text = wikitext_detokenize(WIKI)
+    scored = len(text.encode("utf-8")) - len(tok.decode(ids[0, :1].tolist()).encode("utf-8"))
+    assert res["metrics"]["scored_bytes"] == scored
+    assert res["metrics"]["bits_per_byte"] == pytest.approx(nll_sum / math.log(2) / scored, rel=1e-5)
+
+
+def test_wikitext_bits_per_byte_of_a_uniform_model(setup, tmp_path):
+    """A model whose logits are all zero spends log2(V) bits on every token."""
+    _, tok, _, _, _, wiki = setup
+    model, _ = tiny_model("Model.vocab_size=50304", "Model.hidden_size=32")
+    with torch.no_grad():
+        model.wte.weight.zero_()  # tied head: every logit 0
+    res = evaluate_wikitext(model, tok, wiki, seq_len=32, stride=16)["metrics"]
+    n = len(tok.encode(wikitext_detokenize(WIKI)))
+    assert res["bits_per_byte"] == pytest.approx((n - 1) * math.log2(50304) / res["scored_bytes"], rel=1e-6)
 
 
 def test_window_plan_counts_reference_windows():
@@ -364,16 +380,17 @@ def test_cli_lambada_reference_config(setup, run_cli, tmp_path):
 def test_cli_wikitext_hf_dir_default_output(setup, run_cli, tmp_path, monkeypatch):
     model, tok, _, hf, _, wiki = setup
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPTFORGE_PROGRESS_EVERY", "0")  # a plain progress line at every batch
     code, stdout, err = run_cli("eval", "--ckpt", hf, "-o", f"Offline_Eval.eval_path={wiki}",
                                 "-o", "Offline_Eval.max_seq_len=48", "-o", "Offline_Eval.overlapping_eval=16",
                                 "--emulate-reference-aggregation")
     assert code == 0, err
-    # the default is the working directory, never the model directory
     res = json.loads((tmp_path / "eval_results_wikitext.json").read_text())
-    assert not (hf / "eval_results_wikitext.json").exists()
+    assert not (hf / "eval_results_wikitext.json").exists()  # a model directory is never written by eval
     direct = evaluate_wikitext(model, tok, wiki, seq_len=48, stride=16)
     assert res["metrics"]["avg_loss"] == pytest.approx(direct["metrics"]["avg_loss"], rel=1e-5)
-    assert "EMULATED reference aggregation" in stdout and "WikiText" in err  # labelled line; progress bar
+    assert "EMULATED reference aggregation" in stdout  # the labelled line
+    assert "[WikiText]" in err and "\r" not in err  # captured (not a terminal): plain progress lines
 
 
 def test_cli_lambada_split_option(setup, run_cli, tmp_path):

@@ -92,7 +92,7 @@ def test_head_pools_the_last_real_token_like_the_reference(base):
     assert ((ref_ids != 0).sum(-1) - 1).tolist() == last_token_index(ref_ids, 0).tolist()
 
 
-def test_epoch_run_cli_saves_evaluates_and_follows_the_schedule(tmp_path, base, sst2, run_cli):
+def test_epoch_run_cli_saves_evaluates_and_follows_the_schedule(tmp_path, base, sst2, run_cli, monkeypatch):
     y = finetune_yaml(tmp_path / "f.yaml", "SST2", sst2, base, tmp_path / "out")
     code, out, err = run_cli("finetune", "-c", y, "-o", "Engine.num_train_epochs=3", "-o",
                              "Engine.save_load.save_epoch=2", "-o", "Engine.eval_freq=2", "--no-progress")
@@ -111,9 +111,10 @@ def test_epoch_run_cli_saves_evaluates_and_follows_the_schedule(tmp_path, base, 
     assert "best (epoch" in out and "[Eval] epoch: 2" in (out_dir / "train.log").read_text()
 
     # gptforge eval on the dev file: the task metric, equal to the run's last evaluation
-    code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3", "--out", out_dir / "glue.json")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3")
     assert code == 0, err
-    got = json.loads((out_dir / "glue.json").read_text())
+    got = json.loads((tmp_path / "eval_results_glue.json").read_text())  # the working directory, not the model
     assert got["task"] == "SST2" and got["results"]["dev"]["acc"] == res["evals"][-1]["dev"]["acc"]
     assert got["results"]["dev"]["loss"] == pytest.approx(res["evals"][-1]["dev"]["loss"], rel=1e-5)
     code, out, err = run_cli("eval", "--ckpt", out_dir / "epoch_3", "--glue-file", sst2 / "train.tsv",

@@ -14,16 +14,9 @@ import importlib
 import signal
 import sys
 
-from gptforge import __version__
+from gptforge import __version__, progress
 from gptforge.errors import GPTForgeError
 from gptforge.fsguard import disk_full_errno, disk_full_error
-from gptforge.progress import configure as configure_progress
-
-
-def add_progress_args(p: argparse.ArgumentParser) -> None:
-    from gptforge.commands.common import add_progress_args as add
-
-    add(p)
 
 # verb -> (module, one-line help). Order is the order of the life cycle.
 VERBS: dict[str, tuple[str, str]] = {
@@ -69,8 +62,25 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == verb:
             importlib.import_module(module).add_arguments(p)
-            add_progress_args(p)
+            add_output_conventions(p)
     return parser
+
+
+def add_output_conventions(p: argparse.ArgumentParser) -> None:
+    """`--no-progress` and `--quiet` on every verb, meaning the same everywhere (docs/cli.md).
+    A verb with sub-commands (`tokenizer train`, `config show`) gets them on each sub-command."""
+    subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    if subs:
+        for action in subs:
+            for child in set(action.choices.values()):
+                add_output_conventions(child)
+        return
+    if "--no-progress" not in p._option_string_actions:
+        p.add_argument("--no-progress", action="store_true",
+                       help="no progress bars or periodic progress lines")
+    if "--quiet" not in p._option_string_actions:
+        p.add_argument("--quiet", action="store_true",
+                       help="no progress and no informational lines: only results and errors")
 
 
 def _first_positional(argv: list[str]) -> str | None:
@@ -103,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _ignore_file_size_signal()
-    # The stages read the choice from the environment (gptforge.progress), child processes too.
     module = importlib.import_module(VERBS[args.verb][0])
+    quiet = bool(getattr(args, "quiet", False))
+    if quiet:
+        args.no_progress = True
     try:
-        with configure_progress(getattr(args, "no_progress", False), getattr(args, "quiet", False)):
+        with progress.settings(no_progress=bool(getattr(args, "no_progress", False)), quiet_=quiet):
             return int(module.run(args) or 0)
     except GPTForgeError as e:
         return _print_error(args.verb, e)

@@ -1,16 +1,14 @@
-"""Progress reporting for every long stage: one decision, three renderings.
+"""Progress of long work, the same way in every verb.
 
-The mode comes from `GPTFORGE_PROGRESS` (set by the CLI from `--no-progress`/`--quiet`, so
-stages deep below need no extra argument):
+- on a terminal: a tqdm bar with an ETA on stderr;
+- output redirected (a log file, CI, a pipe): plain lines on stderr every `GPTFORGE_PROGRESS_EVERY`
+  seconds (default 10) and at the end, with no carriage returns or colour codes;
+- `--no-progress` or `--quiet` (any verb): nothing.
 
-- ``bar``: a tqdm bar with an ETA on stderr;
-- ``plain``: periodic lines on stderr (``[export] 40% 12/30 eta 0:00:14``) every ~10 s or
-  10 % of the work, with no carriage returns or ANSI codes, fit for a redirected log;
-- ``off``: nothing;
-- ``auto`` (default): ``bar`` when stderr is a terminal, else ``plain``.
-
-`GPTFORGE_QUIET=1` (`--quiet`) also silences `info()` lines: only errors and the final result
-are printed. A stage's own `progress=False` turns its progress off whatever the mode.
+The choice travels in the environment (`GPTFORGE_PROGRESS=auto|bar|plain|off`), so stages deep
+below the command line and worker processes follow it without an argument threaded through;
+`gptforge.cli` sets it for the duration of a verb. `GPTFORGE_QUIET=1` (set by `--quiet`) also
+silences informational lines such as the trainer's periodic log on the console.
 """
 
 from __future__ import annotations
@@ -21,40 +19,39 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-ENV = "GPTFORGE_PROGRESS"
+MODE_ENV = "GPTFORGE_PROGRESS"
 QUIET_ENV = "GPTFORGE_QUIET"
+EVERY_ENV = "GPTFORGE_PROGRESS_EVERY"
 MODES = ("auto", "bar", "plain", "off")
-INTERVAL_S = 10.0  # plain mode: a line at least this often while work advances...
-STEP_FRACTION = 0.1  # ...and at every 10 % of the total
 
 
-def mode() -> str:
-    """The effective mode: ``bar``, ``plain`` or ``off`` (an unknown value counts as ``auto``)."""
-    m = os.environ.get(ENV, "auto").strip().lower()
-    if m not in MODES or m == "auto":
-        return "bar" if _isatty(sys.stderr) else "plain"
-    return m
+def mode(stream=None) -> str:
+    """'bar', 'plain' or 'off' for `stream` (default stderr)."""
+    m = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        m = "auto"
+    if m != "auto":
+        return m
+    stream = sys.stderr if stream is None else stream
+    try:
+        return "bar" if stream.isatty() else "plain"
+    except (AttributeError, ValueError):  # a closed or unusual stream
+        return "plain"
 
 
 def quiet() -> bool:
-    """Whether informational lines are suppressed (`--quiet`)."""
-    return os.environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def enabled(progress: bool | None = None) -> bool:
-    """Whether a stage called with `progress` (None: the mode decides) shows progress."""
-    return progress is not False and mode() != "off"
+    return os.environ.get(QUIET_ENV, "") not in ("", "0")
 
 
 @contextlib.contextmanager
-def configure(no_progress: bool = False, quiet_: bool = False) -> Iterator[None]:
-    """While in the block, the choice of the CLI flags holds for this process and its children
-    (restored afterwards, for a caller that runs several commands in one process)."""
-    saved = {k: os.environ.get(k) for k in (ENV, QUIET_ENV)}
+def settings(no_progress: bool = False, quiet_: bool = False) -> Iterator[None]:
+    """Set the mode for the duration of a verb (restored after: `cli.main` may run many verbs in
+    one process, as the demo and the tests do)."""
+    saved = {k: os.environ.get(k) for k in (MODE_ENV, QUIET_ENV)}
+    if no_progress or quiet_:
+        os.environ[MODE_ENV] = "off"
     if quiet_:
         os.environ[QUIET_ENV] = "1"
-    if no_progress or quiet_:
-        os.environ[ENV] = "off"
     try:
         yield
     finally:
@@ -65,145 +62,155 @@ def configure(no_progress: bool = False, quiet_: bool = False) -> Iterator[None]
                 os.environ[k] = v
 
 
-def info(line: str, file=None) -> None:
-    """An informational line (stderr by default), suppressed by `--quiet`."""
-    if not quiet():
-        print(line, file=file or sys.stderr, flush=True)
+def _hms(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
 
 
-def _isatty(f) -> bool:
-    try:
-        return bool(f.isatty())
-    except (AttributeError, ValueError):
-        return False
+class _Null:
+    """The bar when progress is off: every method does nothing."""
 
+    n = 0
 
-def _columns(f) -> int:
-    try:
-        return os.get_terminal_size(f.fileno()).columns
-    except (AttributeError, ValueError, OSError):
-        return 0
+    def __init__(self, iterable=None):
+        self._it = iterable
 
+    def __iter__(self):
+        return iter(self._it if self._it is not None else ())
 
-def _clock(seconds: float) -> str:
-    s = int(max(seconds, 0) + 0.5)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-class Progress:
-    """A counter that renders as the mode says; the tqdm calls the stages use (`update`,
-    `set_postfix`, `set_postfix_str`, `write`, `close`, `n`, context manager)."""
-
-    def __init__(self, total: float | None = None, desc: str = "", unit: str = "it", initial: float = 0,
-                 progress: bool | None = None, leave: bool = True, unit_scale: bool = False):
-        self.total = total
-        self.desc = desc
-        self.unit = unit
-        self.n = initial
-        self._start_n = initial
-        self._postfix = ""
-        self._bar = None
-        self._closed = False
-        self.mode = mode() if enabled(progress) else "off"
-        self._t0 = self._last_t = time.monotonic()
-        self._last_frac = initial / total if total else 0.0
-        if self.mode == "bar":
-            from tqdm import tqdm
-
-            # a terminal that reports no width (a bare pty) would get an empty bar from tqdm
-            sized = _columns(sys.stderr) > 0
-            self._bar = tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr,
-                             dynamic_ncols=sized, ncols=None if sized else 100, leave=leave, unit_scale=unit_scale)
-
-    # -- tqdm-like API
-    def update(self, n: float = 1) -> None:
+    def update(self, n: int = 1) -> None:
         self.n += n
-        if self._bar is not None:
-            self._bar.update(n)
-        elif self.mode == "plain":
-            now = time.monotonic()
-            frac = self.n / self.total if self.total else 0.0
-            if self.total and self.n >= self.total:
-                return  # the closing line reports the end
-            if now - self._last_t >= INTERVAL_S or (self.total and frac - self._last_frac >= STEP_FRACTION - 1e-9):
-                self._line(now)
-                self._last_t, self._last_frac = now, frac
-
-    def set_postfix(self, refresh: bool = False, **kw) -> None:
-        self.set_postfix_str(", ".join(f"{k}={v}" for k, v in kw.items()), refresh=refresh)
 
     def set_postfix_str(self, s: str = "", refresh: bool = False) -> None:
-        self._postfix = s
-        if self._bar is not None:
-            self._bar.set_postfix_str(s, refresh=refresh)
+        pass
+
+    def set_postfix(self, *a, **k) -> None:
+        pass
 
     def write(self, line: str, file=None) -> None:
-        """Print a line without breaking the bar."""
-        if self._bar is not None:
-            self._bar.write(line, file=file or sys.stdout)
-        else:
-            print(line, file=file or sys.stdout, flush=True)
+        print(line, file=file or sys.stdout, flush=True)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        elif self.mode == "plain" and self.n != self._start_n:
-            self._line(time.monotonic(), final=True)
+        pass
 
-    def __enter__(self) -> Progress:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- plain rendering
-    def _line(self, now: float, final: bool = False) -> None:
-        elapsed = now - self._t0
-        count = _count(self.n, self.unit)
-        if self.total:
-            pct = f"{100 * self.n / self.total:.0f}% {_count(self.n, '')}/{_count(self.total, self.unit)}"
-            done = self.n - self._start_n
-            if final:
-                tail = f"in {_clock(elapsed)}"
-            elif done > 0:
-                tail = f"eta {_clock(elapsed / done * (self.total - self.n))}"
-            else:
-                tail = "eta ?"
-            text = f"{pct} {tail}"
+
+class _Plain(_Null):
+    """Periodic plain lines: `[desc] 40% 12/30 batch, 0:00:05 elapsed, eta 0:00:08`."""
+
+    def __init__(self, iterable=None, total=None, desc="", unit="it", initial=0, unit_scale=False, stream=None):
+        super().__init__(iterable)
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.total, self.desc, self.unit, self.unit_scale = total, desc or "progress", unit, unit_scale
+        self.n = self._start = initial
+        self.stream = stream or sys.stderr
+        self.t0 = self._last = time.monotonic()
+        self.every = float(os.environ.get(EVERY_ENV, "10") or 10)
+        self.postfix = ""
+        self._closed = False
+
+    def __iter__(self):
+        for x in super().__iter__():
+            yield x
+            self.update(1)
+        self.close()
+
+    def _count(self, n: float) -> str:
+        if self.unit_scale:
+            for suffix in ("", "k", "M", "G", "T"):
+                if abs(n) < 1000 or suffix == "T":
+                    return f"{n:.0f}{suffix}" if suffix == "" else f"{n:.1f}{suffix}"
+                n /= 1000
+        return f"{n:g}" if isinstance(n, float) else str(n)
+
+    def _line(self, final: bool = False) -> str:
+        el = time.monotonic() - self.t0
+        done = self.n - self._start
+        if final:
+            head = f"[{self.desc}] done: {self._count(self.n)} {self.unit} in {_hms(el)}"
+        elif self.total:
+            pct = 100.0 * self.n / self.total
+            eta = el / done * (self.total - self.n) if done > 0 else None
+            head = (f"[{self.desc}] {pct:3.0f}% {self._count(self.n)}/{self._count(self.total)} {self.unit}, "
+                    f"{_hms(el)} elapsed, eta {_hms(eta) if eta is not None else '?'}")
         else:
-            text = f"{count} in {_clock(elapsed)}"
-        post = f" ({self._postfix})" if self._postfix else ""
-        print(f"[{self.desc}] {text}{post}", file=sys.stderr, flush=True)
+            head = f"[{self.desc}] {self._count(self.n)} {self.unit}, {_hms(el)} elapsed"
+        return head + (f" ({self.postfix})" if self.postfix and not final else "")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            print(self._line(), file=self.stream, flush=True)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = False) -> None:
+        self.postfix = s
+
+    def set_postfix(self, *a, **k) -> None:
+        self.postfix = ", ".join(f"{key}={v}" for key, v in k.items())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._last != self.t0:  # work short enough to print no periodic line ends silently too
+                print(self._line(final=True), file=self.stream, flush=True)
 
 
-def _count(n: float, unit: str) -> str:
-    num = f"{n:g}" if isinstance(n, float) and not float(n).is_integer() else f"{int(n)}"
-    return f"{num} {unit}".rstrip()
+def bar(iterable: Iterable | None = None, total: int | float | None = None, desc: str = "", unit: str = "it",
+        initial: int = 0, enabled: bool = True, unit_scale: bool = False, leave: bool = False):
+    """A progress bar in the current mode (tqdm-like: iterate it, or `update(n)` and `close()`)."""
+    m = mode() if enabled else "off"
+    if m == "off":
+        return _Null(iterable)
+    if m == "plain":
+        return _Plain(iterable, total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit_scale)
+    from tqdm import tqdm
 
-
-def track(iterable: Iterable, total: int | None = None, desc: str = "", unit: str = "it",
-          progress: bool | None = None, leave: bool = True) -> Iterator:
-    """Iterate `iterable`, counting each item."""
-    if total is None:
-        with contextlib.suppress(TypeError):
-            total = len(iterable)  # type: ignore[arg-type]
-    with Progress(total=total, desc=desc, unit=unit, progress=progress, leave=leave) as bar:
-        for item in iterable:
-            yield item
-            bar.update(1)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit_scale,
+                file=sys.stderr, dynamic_ncols=True, leave=leave)
 
 
 @contextlib.contextmanager
-def task(desc: str, what: str, progress: bool | None = None) -> Iterator[None]:
-    """Work with no natural count: ``[desc] what ...`` at the start and ``... done in 25.1 s`` at
-    the end (the same lines on a terminal and in a log)."""
-    show = enabled(progress)
-    if show:
-        print(f"[{desc}] {what} ...", file=sys.stderr, flush=True)
+def task(desc: str, enabled: bool = True, after: float = 2.0) -> Iterator[None]:
+    """Work without a count (an ONNX export, a conversion). Once it has run `after` seconds, a
+    line says what is running, then one every `GPTFORGE_PROGRESS_EVERY` seconds with the time
+    so far, and a last one with the time it took. Work that ends (or fails) sooner prints
+    nothing, so a quick error stays the one line it is. Nothing when progress is off."""
+    if not enabled or mode() == "off":
+        yield
+        return
+    import threading
+
     t0 = time.monotonic()
-    yield
-    if show:
-        print(f"[{desc}] {what} ... done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    every = float(os.environ.get(EVERY_ENV, "10") or 10)
+    stop = threading.Event()
+    spoke = threading.Event()
+
+    def watch() -> None:
+        if stop.wait(after):
+            return
+        spoke.set()
+        print(f"[{desc}] ...", file=sys.stderr, flush=True)
+        while not stop.wait(max(every, 0.5)):
+            print(f"[{desc}] {_hms(time.monotonic() - t0)} elapsed", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=watch, name="gptforge-progress", daemon=True)
+    thread.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        stop.set()
+        thread.join()
+        if ok and spoke.is_set():
+            print(f"[{desc}] done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -15,10 +15,8 @@ QAT with those layers float. An interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from gptforge.commands.common import add_config_args, add_out_arg
-from gptforge.progress import info
+from gptforge.commands.common import add_config_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,12 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, metavar="N", help=(
         "write skip_tensor_map.yaml leaving the N most sensitive layers float, and print the -o override and "
         "gptforge qat command"))
-    add_out_arg(p, "output directory: analysis.txt/.json/.png, skip_tensor_map.yaml (default: %(default)s)",
-                default="analysis_results")
+    p.add_argument("--out", default="analysis_results", metavar="DIR", help="output directory (default: %(default)s)")
     p.add_argument("--no-resume", action="store_true", help=(
         "start over even if <out>/analysis.json holds progress for the same inputs (default: resume it)"))
     p.add_argument("--no-plot", action="store_true", help="do not write analysis.png")
     p.add_argument("--show", type=int, default=20, metavar="N", help="rows of the ranking printed (default 20; 0 = all)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
     for line in table_lines(a, args.show or None):
         print(line)
     for note in res.notes:
-        info(f"note: {note}", file=sys.stdout)
+        print(f"note: {note}")
     print("wrote " + ", ".join(str(p) for p in res.files.values()))
     if res.top_k is None:
         if res.suggested_k:
-            info(f"the top {res.suggested_k} layers carry half of the positive sensitivity; "
-                 f"--top-k {res.suggested_k} writes their skip_tensor_map", file=sys.stdout)
+            print(f"the top {res.suggested_k} layers carry half of the positive sensitivity; "
+                  f"--top-k {res.suggested_k} writes their skip_tensor_map")
     else:
         print(f"skip the top {res.top_k} in the next QAT run: -o {res.override}")
         print(f"  {res.qat_command}")

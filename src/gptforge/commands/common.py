@@ -1,5 +1,4 @@
-"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, `--out`, `--no-progress/--quiet`,
-device choice, model loading (the conventions are in docs/cli.md)."""
+"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, device choice, model loading."""
 
 from __future__ import annotations
 
@@ -27,39 +26,29 @@ def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: st
             "its config and tokenizer are used, so -c is optional"))
 
 
-def add_out_arg(p: argparse.ArgumentParser, help: str, *, aliases: tuple[str, ...] = (), metavar: str = "DIR",
-                default: str | None = None, required: bool = False) -> None:
-    """`--out` (dest `out`), the output location of every verb that writes; `aliases` keep a
-    verb's older spellings working. `help` names the default output."""
-    p.add_argument("--out", *aliases, dest="out", metavar=metavar, default=default, required=required, help=help)
+def add_run_dir_arg(p: argparse.ArgumentParser, what: str = "checkpoints step_N, metrics.jsonl, train.log") -> None:
+    """`--out DIR` for the training verbs: the run directory (= -o Engine.save_load.output_dir=DIR,
+    and it wins over the YAML and -o)."""
+    p.add_argument("--out", dest="run_dir_out", metavar="DIR", help=(
+        f"run directory for {what} (default: Engine.save_load.output_dir of the config, ./output unless the "
+        "recipe says otherwise)"))
 
 
-def add_progress_args(p: argparse.ArgumentParser, nested: bool = False) -> None:
-    """`--no-progress` and `--quiet`, the same on every verb (`nested`: on a sub-action's parser,
-    where a default would overwrite the flag given before the action)."""
-    kw = {"default": argparse.SUPPRESS} if nested else {}
-    p.add_argument("--no-progress", action="store_true", help=(
-        "no progress bars and no periodic progress lines (default: a bar with an ETA on a terminal, "
-        "plain periodic lines when stderr is redirected)"), **kw)
-    p.add_argument("--quiet", action="store_true", help=(
-        "also no informational lines: print only errors and the final result"), **kw)
-
-
-def out_dir_override(args: argparse.Namespace) -> list[str]:
-    """`-o` overrides with `--out DIR` appended as Engine.save_load.output_dir (it wins over -c/-o)."""
-    out = getattr(args, "out", None)
+def run_dir_overrides(args: argparse.Namespace) -> list[str]:
+    """-o overrides with `--out DIR` applied last, so it wins."""
+    out = getattr(args, "run_dir_out", None)
     return [*args.override, f"Engine.save_load.output_dir={out}"] if out else list(args.override)
 
 
 def config_from_args(args: argparse.Namespace, require: bool = False, world_size: int | None = None) -> Config:
-    """Resolved config from -c/-o/--ckpt; `require` demands -c or --ckpt."""
+    """Resolved config from -c/-o/--ckpt (and a training verb's --out); `require` demands -c or --ckpt."""
     from gptforge.model_io import load_run_config
 
     ckpt = getattr(args, "ckpt", None)
     if require and not args.config and not ckpt:
         raise UsageError("give a config with -c FILE or -c RECIPE (e.g. -c pretrain_gpt_tiny_cpu; "
                          "`gptforge config list` shows them), or a model with --ckpt DIR")
-    return load_run_config(args.config, args.override, ckpt_dir=ckpt, world_size=world_size)
+    return load_run_config(args.config, run_dir_overrides(args), ckpt_dir=ckpt, world_size=world_size)
 
 
 def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:

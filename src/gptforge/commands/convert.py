@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg, ensure_out_dir
+from gptforge.commands.common import add_config_args, ensure_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, metavar="PATH",
                    help="source: our model dir (a distributed step_N checkpoint too), an HF GPT-2 dir, "
                         "a model.pdparams (or its dir)")
-    add_out_arg(p, "output model directory (required; no default)", required=True)
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
@@ -42,13 +42,13 @@ def run(args: argparse.Namespace) -> int:
     ensure_out_dir(args.out, args.force)
     src = resolve_checkpoint_path(args.src)
     cfg = load_run_config(args.config, args.override, ckpt_dir=src)
-    with task("convert", f"reading {src}"):
+    with task(f"convert: reading {src.name}"):
         model, cfg = load_model(src, cfg)
     sharded = src.is_dir() and is_distributed_checkpoint(src)
     if sharded:
         cfg = dataclasses.replace(cfg, Distributed=DistributedConfig())
     tok = load_tokenizer(args.tokenizer or cfg.Data.tokenizer, src if src.is_dir() else None)
-    with task("convert", f"writing {args.out}"):
+    with task(f"convert: writing {args.to}"):
         if args.to == "hf":
             save_hf_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
         else:

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_out_arg
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
-    add_out_arg(p, "demo directory: every stage's output, report.md, report.html (default: %(default)s)",
-                default="runs/demo")
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="demo directory (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a tiny model and short runs (under 3 minutes): a smoke test")
     p.add_argument("--minutes", type=float, metavar="M", help=(
         "time budget for the whole demo; training steps are fitted to it from a measured step "
@@ -37,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "quarter of the layers)"))
     p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="start over in --out, deleting an earlier demo there")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg
+from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
 
@@ -15,9 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "With --harness: lm-eval tasks from local task YAMLs."
     )
     add_config_args(p)
-    add_out_arg(p, "results JSON (default: Offline_Eval.output, else ./eval_results_<task>.json in the working "
-                "directory; never the checkpoint directory unless you name it). The results are printed too",
-                aliases=("--output",), metavar="FILE")
+    p.add_argument("--out", "--output", dest="output", metavar="FILE",
+                   help="results JSON (default: Offline_Eval.output, else ./eval_results_<task>.json in the working "
+                        "directory; never inside the checkpoint unless given here)")
     p.add_argument("--emulate-reference-aggregation", action="store_true",
                    help="also report the number the reference's engine would log (batch 0 counted "
                         "logging_freq times, tail dropped); clearly labelled, never the main result")
@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LAMBADA context/target rule (= Offline_Eval.lambada_split): reference (default: the last "
                         "whitespace-separated word, the reference's rule) or lm_eval (lambada_openai's split on ' ', "
                         "example by example)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (lm-eval's and datasets' too)")
     p.add_argument("--glue-file", metavar="FILE",
                    help="a fine-tuned classifier (gptforge finetune): score this GLUE TSV (default: "
                         "Data.Eval.dataset.root + split) with the task metric")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_harness(args, cfg, model, tok)
     from gptforge.evaluate import run_eval
 
-    run_eval(cfg, model, tok, output=args.out, ckpt=args.ckpt,
+    run_eval(cfg, model, tok, output=args.output, ckpt=args.ckpt,
              emulate_reference_aggregation=args.emulate_reference_aggregation,
              restrict_vocab=args.restrict_vocab, progress=not args.no_progress)
     return 0
@@ -81,7 +82,7 @@ def _run_harness(args, cfg, model, tok) -> int:
     oe = cfg.Offline_Eval
     run_harness(model, tok, args.harness, include_path=args.include_path, batch_size=oe.batch_size,
                 limit=limit, num_fewshot=args.num_fewshot, builtin_tasks=args.builtin_tasks,
-                output=args.out or oe.output or default_output("harness"),
+                output=args.output or oe.output or default_output("harness", args.ckpt),
                 max_length=min(oe.max_seq_len, model_context(model)),
                 vocab_size=tok.vocab_size if args.restrict_vocab else None,
                 amp_dtype=amp_dtype_for(cfg, model_device(model)), progress=not args.no_progress)
@@ -96,5 +97,5 @@ def _run_glue(args, cfg, device) -> int:
         raise UsageError("--harness/--emulate-reference-aggregation/--restrict-vocab apply to language models, "
                          "not to a fine-tuned classifier")
     clf, cfg, tok, task = load_classifier(args.ckpt, cfg, device=device)
-    run_glue_eval(cfg, clf, tok, task, file=args.glue_file, output=args.out, ckpt=args.ckpt)
+    run_glue_eval(cfg, clf, tok, task, file=args.glue_file, output=args.output, ckpt=args.ckpt)
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg
+from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
 FORMATS = ("hf", "onnx", "torch")
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, metavar="{hf,onnx,torch}",
                    help="hf: a transformers GPT-2 directory; onnx: the decoding-step graph (fp32 or INT8 QDQ); "
                         "torch: the same step as a torch.export program")
-    add_out_arg(p, "output directory, written atomically (required; no default)")
+    p.add_argument("--out", metavar="DIR", help="output directory (written atomically)")
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
                         "model's weights (activations stay float)")
@@ -104,7 +104,7 @@ def _hf(model, cfg, tok, args) -> int:
     from gptforge.export.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
     from gptforge.progress import task
 
-    with task("export", "writing the HF GPT-2 directory"):
+    with task("export: HF safetensors directory"):
         r = save_hf(model, args.out, tok, generation=cfg.Generation, model_cfg=cfg.Model,
                     max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
     shards = [f for f in r.files if f.endswith(".safetensors")]
@@ -119,6 +119,14 @@ def _hf(model, cfg, tok, args) -> int:
 
 
 def _program(model, cfg, tok, args) -> int:
+    from gptforge.progress import task
+
+    with task(f"export: {args.format} (trace, write{'' if args.no_check else ', check against PyTorch'})"):
+        r = _export_program(model, cfg, tok, args)
+    return _report_program(r, args)
+
+
+def _export_program(model, cfg, tok, args):
     if args.format == "onnx":
         from gptforge.export.onnx import export_onnx
 
@@ -129,6 +137,10 @@ def _program(model, cfg, tok, args) -> int:
 
         r = export_torch(model, args.out, tok, cfg=cfg, precision=args.precision, check=not args.no_check,
                          overwrite=True)
+    return r
+
+
+def _report_program(r, args) -> int:
     c = r.check
     check = (f"; check on {c['positions']} positions (prefill {c['prefill_tokens']} + {c['decode_steps']} cached "
              f"steps): max |logit diff| {c['max_abs_diff']:.2e}, argmax agreement {100 * c['argmax_agreement']:.2f}%"
@@ -151,22 +163,18 @@ def _classifier(ckpt, cfg, args) -> int:
         raise UsageError("--format torch exports language models; export a classifier with --format hf or onnx")
     if args.format == "onnx" and args.precision == "int8":
         raise UsageError("--precision int8: a classifier exports as fp32 ONNX (quantized weights folded)")
-    from gptforge.progress import task as progress_task
-
     clf, cfg, tok, task = load_classifier(ckpt, cfg, device="cpu")
     if args.format == "hf":
         from gptforge.export.classifier import save_hf_classifier
 
-        with progress_task("export", "writing the HF classifier directory"):
-            r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
-                                   max_shard_size=args.max_shard_size, overwrite=True)
+        r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
+                               max_shard_size=args.max_shard_size, overwrite=True)
         print(f"gptforge export: hf GPT2ForSequenceClassification, {r.num_classes} labels, pad_token_id "
               f"{r.pad_token_id}{f', {r.source_kind} weights folded' if r.source_kind != 'float' else ''} -> {r.out_dir}")
         return 0
     from gptforge.export.classifier import export_onnx_classifier
 
-    with progress_task("export", "writing the ONNX classifier"):
-        r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
+    r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
     c = r.check
     check = f"; check: max |logit diff| {c['max_abs_diff']:.2e}" if c else "; not checked"
     print(f"gptforge export: onnx classifier fp32, {r.num_classes} logits{check} ({r.seconds:.1f} s) -> {r.out_dir}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg, out_dir_override
+from gptforge.commands.common import add_config_args, add_run_dir_arg, run_dir_overrides
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,9 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "split, max_length). Writes classifier directories (epoch_N) and finetune_results.json under "
         "Engine.save_load.output_dir.")
     add_config_args(p, ckpt_help="the pretrained model to fine-tune (overrides Model.pretrained)")
-    add_out_arg(p, "run directory for the classifier directories (epoch_N) and finetune_results.json "
-                "(= -o Engine.save_load.output_dir=DIR, and wins over it; default: the config's "
-                "Engine.save_load.output_dir)")
+    add_run_dir_arg(p, "classifier directories epoch_N, finetune_results.json, metrics.jsonl")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,11 +24,11 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.errors import UsageError
     from gptforge.finetune.run import finetune
 
-    if not args.config and not args.override:  # --out alone is no recipe
+    if not args.config and not args.override:
         raise UsageError("give a fine-tuning config with -c FILE (see docs/finetune.md)")
     # The pretrained model's own training config is not merged in: its shape and structure come
     # with the weights, and the run settings are the fine-tuning recipe's.
-    cfg = load_config(args.config, out_dir_override(args))
+    cfg = load_config(args.config, run_dir_overrides(args))
     res = finetune(cfg, args.ckpt, device=select_device(cfg.Global.device),
                    progress=False if args.no_progress else None)
     if res.best is not None:

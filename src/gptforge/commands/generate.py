@@ -1,10 +1,10 @@
 """`gptforge generate`: generate text from a model (sampling, greedy or beam search).
 
     gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [-o Generation.top_k=50]
-    gptforge generate -c generation_gpt_345M_single_card --ckpt DIR --prompt-file F --out out.json
+    gptforge generate -c generation_gpt_345M_single_card --ckpt DIR --prompt-file F --json out.json
 
 A single sequence is printed token by token as it is generated; several prompts are decoded in
-left-padded batches and printed when done. `--out FILE` (alias `--json`) also writes token ids and scores.
+left-padded batches and printed when done. `--json` also writes token ids and scores.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 from gptforge.commands.common import add_config_args, config_from_args, require_ckpt, select_device
 from gptforge.errors import DataError, UsageError
 from gptforge.fsguard import check_path_kind, disk_full_guard
-from gptforge.progress import info
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +32,7 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they are generated (default: on when one sequence is asked for)")
-    p.add_argument("--out", "--json", dest="out", metavar="FILE", help=(
+    p.add_argument("--out", "--json", dest="json", metavar="FILE", help=(
         "also write prompts, texts, token ids and scores to this JSON file (default: none; the text goes to stdout)"))
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts decoded together (default 8)")
     p.add_argument("--truncate-prompt", action="store_true",
@@ -165,9 +164,9 @@ def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_strea
                 print(prompt + text)
     new = sum(r.new_tokens for r in results)
     secs = sum(r.seconds for r in results)
-    info(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
-         f"({new / max(secs, 1e-9):.1f} tokens/s)")
-    if args.out:
-        _write_json(args.out, _payload(cfg, results))
-        info(f"gptforge {verb}: wrote {args.out}")
+    print(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
+          f"({new / max(secs, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    if args.json:
+        _write_json(args.json, _payload(cfg, results))
+        print(f"gptforge {verb}: wrote {args.json}", file=sys.stderr)
     return 0

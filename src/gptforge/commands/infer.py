@@ -2,7 +2,7 @@
 
     gptforge export --format onnx --ckpt DIR --out onnx/
     gptforge infer --onnx onnx/ --prompt "Hello" [-o Generation.decode_strategy=greedy_search]
-    gptforge infer --onnx onnx/ --prompt-file prompts.txt --out out.json --batch-size 8
+    gptforge infer --onnx onnx/ --prompt-file prompts.txt --json out.json --batch-size 8
 
 The counterpart of the reference's inference engine. Generation options, prompts, streaming and
 output are those of `gptforge generate`; the Generation defaults come from the config saved

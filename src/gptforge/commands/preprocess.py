@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg
+from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
 
@@ -15,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "directories (searched recursively) or glob patterns; read in sorted order")
     src.add_argument("--builtin", action="store_true",
                      help="the built-in corpus: this Python's standard library (docstrings, help topics, source)")
-    add_out_arg(p, "writes PREFIX_ids.npy + PREFIX_idx.npz (+ PREFIX_meta.json) (required; no default)",
-                aliases=("--output-prefix", "--output_prefix"), metavar="PREFIX", required=True)
+    p.add_argument("--out", "--output-prefix", "--output_prefix", dest="output_prefix", required=True, metavar="PREFIX",
+                   help="writes PREFIX_ids.npy + PREFIX_idx.npz (+ PREFIX_meta.json)")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="gpt2 | a tokenizer directory or tokenizer.json | a model directory "
                         "(default: Data.tokenizer from -c/-o, else gpt2)")
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, metavar="N",
                    help="tokenizer processes (default: every core; 1 below 4 MB of input)")
     p.add_argument("--strict", action="store_true", help="reject invalid UTF-8 instead of replacing it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_args(p, ckpt=False)
 
 
@@ -54,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
         from gptforge.data.corpus import builtin_documents
 
         append = True if args.append_eos is None else args.append_eos
-        stats = preprocess_documents(builtin_documents(), args.out, tok, append_eos=append,
+        stats = preprocess_documents(builtin_documents(), args.output_prefix, tok, append_eos=append,
                                      min_doc_length=args.min_doc_length, workers=args.workers,
                                      progress=progress, source="builtin: Python standard library")
     else:
-        stats = preprocess_files(args.input, args.out, tok, json_key=args.json_key,
+        stats = preprocess_files(args.input, args.output_prefix, tok, json_key=args.json_key,
                                  append_eos=bool(args.append_eos), min_doc_length=args.min_doc_length,
                                  workers=args.workers, strict=args.strict, progress=progress)
     p = stats.output_prefix
@@ -71,9 +72,5 @@ def run(args: argparse.Namespace) -> int:
     if stats.invalid_utf8_replaced:
         notes.append(f"{stats.invalid_utf8_replaced} invalid UTF-8 sequence(s) replaced by U+FFFD (--strict rejects them)")
     if notes:
-        import sys
-
-        from gptforge.progress import info
-
-        info("note: " + "; ".join(notes), file=sys.stdout)
+        print("note: " + "; ".join(notes))
     return 0

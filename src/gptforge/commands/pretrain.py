@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptforge.commands.common import add_config_args, add_out_arg, config_from_args, out_dir_override
+from gptforge.commands.common import add_config_args, add_run_dir_arg, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -40,9 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help=(
         "start a new run in an output directory that holds another run's checkpoints, deleting them (and its "
         "metrics.jsonl, train.log, tensorboard events); without it such a directory is refused"))
-    add_out_arg(p, "run directory: step_N checkpoints, metrics.jsonl, train.log, tensorboard/ (= -o "
-                "Engine.save_load.output_dir=DIR, and wins over it; default: the config's Engine.save_load.output_dir, "
-                "`gptforge config show -c RECIPE` prints it)")
+    add_run_dir_arg(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.train import checkpoint as ckpt
     from gptforge.train import pretrain
 
-    args.override = out_dir_override(args)
     cfg = config_from_args(args, require=True)
     resume = args.resume
     if resume is not None and cfg.Engine.save_load.ckpt_dir:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg, config_from_args
+from gptforge.commands.common import add_config_args, config_from_args
 from gptforge.errors import UsageError
 
 # With --ckpt and no -c the config is the checkpoint's (a pretraining recipe): these give the
@@ -48,8 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the trained model to prune (ours, HF GPT-2, .pdparams); same as -o Compress.pretrained=DIR, and its "
         "config and tokenizer are used, so -c is optional (then the reference's fine-tune recipe applies: no "
         "warmup, weight decay 0, dropout 0)"))
-    add_out_arg(p, "run directory for the fine-tune (= -o Engine.save_load.output_dir=DIR; default: the config's "
-                "Engine.save_load.output_dir)")
+    p.add_argument("--out", metavar="DIR", help="run directory for the fine-tune (= -o Engine.save_load.output_dir=DIR)")
     p.add_argument("--resume", metavar="auto|DIR", help=(
         "continue an interrupted pruning fine-tune: 'auto' = the newest checkpoint in the output dir, or DIR; "
         "the pruned shape comes from the checkpoint and nothing is pruned again"))
@@ -60,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "also write the final model as an HF transformers GPT-2 directory (n_inner = pruned FFN width; removed "
         "heads stored as zero heads, since transformers 5 has no pruned_heads)"))
     p.add_argument("--force", action="store_true", help="overwrite --hf-out / --save-pruned if they exist")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
 def run(args: argparse.Namespace) -> int:

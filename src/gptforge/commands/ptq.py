@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg, config_from_args
+from gptforge.commands.common import add_config_args, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -21,9 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "Train batches, no training.")
     add_config_args(p, ckpt_help=("the float model to quantize (= Compress.pretrained); its config and tokenizer "
                                   "are used, so -c is optional"))
-    add_out_arg(p, "output model directory: the fake-quant model with its scales (required; no default)", required=True)
+    p.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     p.add_argument("--calib-batches", type=int, metavar="N", help="= -o Compress.Quantization.calib_batches=N")
     p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg, config_from_args, out_dir_override
+from gptforge.commands.common import add_config_args, add_run_dir_arg, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|DIR", help=(
         "resume: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh when there "
         "is none); DIR = that checkpoint"))
-    add_out_arg(p, "run directory: step_N checkpoints with the scales, metrics.jsonl, train.log (= -o "
-                "Engine.save_load.output_dir=DIR, and wins over it; default: the config's Engine.save_load.output_dir)")
+    add_run_dir_arg(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.compress.qat import qat
     from gptforge.train import checkpoint as ckpt
 
-    args.override = out_dir_override(args)
     cfg = config_from_args(args, require=True)
     resume = args.resume
     if resume is not None and cfg.Engine.save_load.ckpt_dir:
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.Engine.save_load.output_dir).expanduser()
     if resume is None and not cfg.Engine.save_load.ckpt_dir and ckpt.latest_checkpoint(out) is not None:
         raise UsageError(f"Engine.save_load.output_dir {out} already holds step checkpoints; choose another directory "
-                         "(-o Engine.save_load.output_dir=DIR) or continue that run with --resume auto")
+                         "(--out DIR) or continue that run with --resume auto")
     result = qat(cfg, resume=resume, progress=False if args.no_progress else None, overrides=args.override)
     print(f"gptforge qat: done at step {result.step}; checkpoint {result.checkpoint_dir}; "
           f"metrics {result.output_dir}/metrics.jsonl")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, add_out_arg
+from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
 
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "kernels on x86 CPUs, or print a quantized model's per-layer quantization.")
     add_config_args(p, ckpt_help="the QAT/PTQ model directory (a training step_N works)")
     p.add_argument("--convert", action="store_true", help="write the real INT8 model to --out")
-    add_out_arg(p, "output directory of the INT8 model with --convert (required with it; no default)")
+    p.add_argument("--out", metavar="DIR", help="output directory for --convert")
     p.add_argument("--embedding", choices=("auto", "int8", "float"), default="auto",
                    help="the tied word embedding / LM head: auto (default) = int8 per row when the model was trained "
                         "with it quantized (Compress.Quantization.quantize_embedding), else float; int8 / float force it")
@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
         emb = {"auto": None, "int8": True, "float": False}[args.embedding]
         from gptforge.progress import task
 
-        what = "converting to INT8" + ("" if args.no_check else " and checking against the fake-quant model")
-        with task("quantize", what):
+        with task(f"quantize: INT8 conversion{'' if args.no_check else ' and logits check'}"):
             r = convert_checkpoint(args.ckpt, args.out, cfg=cfg, int8_embedding=emb,
                                    overwrite=True, check=not args.no_check)  # ensure_out_dir: absent, empty or --force
     check = (f"; check on {r.tokens} tokens ({r.check_data}): logits SQNR {r.sqnr_db:.1f} dB, argmax agreement "

@@ -2,6 +2,7 @@
 
     gptforge serve --ckpt DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     gptforge serve --ckpt ONNX_DIR --backend onnx
+    gptforge serve --ckpt DIR -o Generation.draft=DRAFT_DIR [-o Generation.num_draft_tokens=K|auto]
 
 Serves every model directory `generate` reads (ours, QAT, INT8, pruned, HF, .pdparams) with
 the torch backend, and `gptforge export --format onnx` directories with onnxruntime (docs/serve.md).
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from gptforge.commands.common import add_config_args
-from gptforge.errors import UsageError
+from gptforge.errors import ConfigError, UsageError
 
 EXTRA_HINT = "pip install 'gptforge[serve]'"
 
@@ -87,6 +88,21 @@ def load_served_model(args: argparse.Namespace):
     return load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
 
 
+def load_served_draft(args: argparse.Namespace, model, cfg, tok):
+    """The `Generation.draft` model for speculative decoding (None when unset); its tokenizer
+    must be the target's. The onnx backend has no ragged slots to verify drafts in."""
+    if not cfg.Generation.draft:
+        return None
+    if args.backend == "onnx":
+        raise ConfigError(f"Generation.draft={cfg.Generation.draft}: speculative decoding in gptforge serve needs "
+                          "--backend torch (the onnx backend has no ragged slots); unset Generation.draft")
+    from gptforge.commands.generate import load_draft_for
+    from gptforge.generate.speculative import parse_num_draft_tokens
+
+    parse_num_draft_tokens(cfg.Generation.num_draft_tokens)  # before loading anything
+    return load_draft_for(cfg, tok, args.ckpt, device=model.wte.weight.device)
+
+
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     check_serve_extra()
@@ -94,11 +110,12 @@ def run(args: argparse.Namespace) -> int:
 
     name = args.model_name or Path(args.ckpt).resolve().name
     model, cfg, tok = load_served_model(args)
+    draft = load_served_draft(args, model, cfg, tok)
     opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight,
                         max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
                         drain_timeout=args.drain_timeout, chat_template=args.chat_template)
-    state = build_state(model, tok, cfg.Generation, opts)
+    state = build_state(model, tok, cfg.Generation, opts, draft=draft)
     server = DrainingServer(state, opts, log_level=args.log_level)
     print(f"gptforge serve: {name} ({args.backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     server.run()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gptforge.commands.common import add_out_arg, add_progress_args
 from gptforge.errors import UsageError
 
 
@@ -24,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--min-frequency", type=int, default=2, metavar="N", help="merge pairs seen at least N times (default 2)")
     t.add_argument("--json-key", default="text", metavar="KEY", help="jsonl field holding the text")
     t.add_argument("--min-doc-length", type=int, default=10, metavar="N", help="skip documents of <= N characters")
-    add_out_arg(t, "directory for tokenizer.json, vocab.json, merges.txt (required; no default)", required=True)
+    t.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, vocab.json, merges.txt")
     t.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    add_progress_args(t, nested=True)
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = sub.add_parser("show", help="vocabulary size, EOS id, fingerprint and an example")
     _source_args(s)
     e = sub.add_parser("encode", help="print the token ids of TEXT (or of stdin)")
@@ -67,12 +66,7 @@ def _train(args: argparse.Namespace) -> int:
         from gptforge.data.preprocess import iter_documents
 
         docs = iter_documents(args.input, json_key=args.json_key, min_doc_length=args.min_doc_length)
-    from gptforge.progress import enabled, mode, task
-
-    # the tokenizers library draws its own bar (with \r): on a terminal only; a log gets two lines
-    bar = enabled() and mode() == "bar"
-    with task("tokenizer", f"learning {args.vocab_size} tokens", progress=False if bar else None):
-        tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=bar)
+    tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=not args.no_progress)
     with atomic_dir(args.out, overwrite=args.force) as tmp:
         tok.save(tmp)
     print(f"trained a byte-level BPE tokenizer: {tok.vocab_size} tokens, <|endoftext|> = {tok.eos_token_id}, "

@@ -62,10 +62,10 @@ def calibrate(model: nn.Module, batches, algo: str = "avg", progress: bool = Fal
     start_observers(model, algo)
     try:
         it = batches
-        if progress is not False:
-            from gptforge.progress import track
+        if progress:
+            from gptforge.progress import bar as progress_bar
 
-            it = track(batches, desc="calibrate", unit="batch", progress=progress, leave=False)
+            it = progress_bar(batches, desc="calibrate", unit="batch")
         for b in it:
             ids = b["tokens"] if isinstance(b, dict) else b
             pos = b.get("position_ids") if isinstance(b, dict) else None

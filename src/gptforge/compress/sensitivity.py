@@ -411,12 +411,11 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
 
 def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fingerprint, progress) -> None:
     bar = None
-    if progress is not False and todo:
-        from gptforge.progress import Progress
+    if progress and todo:
+        from gptforge.progress import bar as progress_bar
 
         n = len(result.order)
-        bar = Progress(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer",
-                       progress=progress)
+        bar = progress_bar(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer")
     try:
         for name in todo:
             t0 = time.perf_counter()
@@ -433,7 +432,7 @@ def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fi
             result.seconds += dt
             _write_state(path, result, fingerprint)
             if bar is not None:
-                bar.set_postfix_str(f"{reference_name(name)} {sens:+.4g}")
+                bar.set_postfix_str(f"{reference_name(name)} {sens:+.4g}", refresh=False)
                 bar.update(1)
     finally:
         if bar is not None:

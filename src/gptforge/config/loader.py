@@ -651,6 +651,9 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"Engine.logging_freq: must be >= 1, got {e.logging_freq}")
     if e.save_load.save_steps is not None and e.save_load.save_steps <= 0:
         e.save_load.save_steps = None
+    bad = [t for t in e.trackers if t not in ("tensorboard", "wandb", "mlflow")]
+    if bad:
+        raise ConfigError(f"Engine.trackers: unknown tracker {bad[0]!r}; choose from tensorboard, wandb, mlflow")
     if e.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"Engine.on_nonfinite: must be stop or skip, got {e.on_nonfinite!r}")
     mp = e.mix_precision

@@ -205,6 +205,9 @@ class EngineConfig:
     verbose: int | None = None  # accepted, no effect (auto-parallel engine's log verbosity)
     auto_mode: str | None = None  # accepted, no effect (auto-parallel engine: semi)
     distill: DistillConfig = field(default_factory=DistillConfig)  # knowledge distillation from a teacher model
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow (docs/tracking.md)
+    tracker_project: str = "gptforge"  # W&B project / MLflow experiment
+    tracker_run_name: str | None = None  # W&B / MLflow run name (derived: the run directory's name)
 
 
 @dataclass
@@ -268,7 +271,7 @@ class OfflineEvalConfig:
     batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
     max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context
     logging_freq: int = 10  # only used by `gptforge eval --emulate-reference-aggregation`
-    output: str | None = None  # results JSON (derived: ./eval_results_<lambada|wikitext|harness>.json)
+    output: str | None = None  # results JSON (derived: ./eval_results_<lambada|wikitext|harness|glue>.json)
 
 
 @dataclass

@@ -50,7 +50,7 @@ def find_prefix(input_dir: str | os.PathLike) -> Path:
         if not found:
             raise DataError(
                 f"{p}: no <prefix>_idx.npz token files in this directory; make them with "
-                f"`gptforge preprocess --input TEXT --out {p}/NAME` (or use input_dir: builtin)"
+                f"`gptforge preprocess --input TEXT --output-prefix {p}/NAME` (or use input_dir: builtin)"
             )
         if len(found) > 1:
             print(f"gptforge: {p} holds {len(found)} datasets; using the first, {found[0]!r} "

@@ -346,7 +346,7 @@ def _single_threaded_children():
 
 def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Options, workers: int,
          total_bytes: int | None, progress: bool, sources: list[str]) -> PreprocessStats:
-    from gptforge.progress import Progress
+    from gptforge.progress import bar as progress_bar
 
     dtype = ids_dtype(tokenizer.vocab_size)
     created = []  # directories this run makes, deepest first, removed again on failure
@@ -374,7 +374,7 @@ def _run(chunks: Iterator[Chunk], prefix: Path, tokenizer: Tokenizer, opt: Optio
     t0 = time.perf_counter()
     kind, payload = _encoder_spec(tokenizer)
     executor = None
-    bar = Progress(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", progress=progress)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", enabled=progress)
     try:
         remove_stale_temps(prefix)  # of killed runs into this prefix
         fd, ids_tmp = temp(IDS_SUFFIX)
@@ -506,7 +506,7 @@ def remove_stale_temps(prefix: Path) -> list[Path]:
 def _output_prefix(output_prefix: str | os.PathLike) -> Path:
     text = strip_suffix(os.fspath(output_prefix))
     if not text or text.endswith(("/", os.sep)) or Path(text).is_dir():
-        raise DataError(f"--out {text!r}: is a directory; give a file-name prefix such as "
+        raise DataError(f"--output-prefix {text!r}: is a directory; give a file-name prefix such as "
                         f"{os.path.join(text.rstrip('/') or '.', 'NAME')}")
     return Path(text)
 

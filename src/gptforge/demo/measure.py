@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -56,11 +57,12 @@ def forward_seconds(model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> 
 
 def measure_models(paths: dict[str, str | Path], batch: int, seq: int, device: str = "auto",
                    rounds: int = 5, repeats: int = 3) -> dict[str, dict]:
-    """{key: {description, params, size_bytes, tokens_per_s}} for model directories.
+    """{key: {description, params, size_bytes, tokens_per_s, tokens_per_s_rounds}} for model directories.
 
     Speed is scoring throughput: tokens/s of a full forward pass at batch x seq on one random
-    batch. The models are timed in interleaved rounds (each round times every model) and each
-    keeps its best, so a disturbance on a busy machine hits all of them alike.
+    batch. The models are timed in interleaved rounds (each round times every model, best of
+    `repeats` passes), so a disturbance on a busy machine hits all of them alike; `tokens_per_s` is
+    the median of the rounds and `tokens_per_s_rounds` keeps every round for the spread.
     """
     from gptforge.device import select_device
     from gptforge.model_io import load_model
@@ -74,12 +76,23 @@ def measure_models(paths: dict[str, str | Path], batch: int, seq: int, device: s
                     "size_bytes": size_on_disk(path)}
     vocab = min(m.wte.weight.shape[0] for m in models.values())
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
-    best = {k: float("inf") for k in models}
+    per_round: dict[str, list[float]] = {k: [] for k in models}
     for m in models.values():
         forward_seconds(m, ids, 1)  # warm-up: allocator, kernel choice, packing
     for _ in range(rounds):
         for k, m in models.items():
-            best[k] = min(best[k], forward_seconds(m, ids, repeats))
-    for k in models:
-        out[k]["tokens_per_s"] = batch * seq / best[k]
+            per_round[k].append(batch * seq / forward_seconds(m, ids, repeats))
+    for k, rates in per_round.items():
+        out[k]["tokens_per_s"] = statistics.median(rates)
+        out[k]["tokens_per_s_rounds"] = rates
     return out
+
+
+def compare_speeds(a: list[float], b: list[float]) -> int:
+    """+1 if every round of `a` beats every round of `b`, -1 for the reverse, 0 if the spreads
+    (min..max over rounds) overlap: no measurable difference."""
+    if min(a) > max(b):
+        return 1
+    if max(a) < min(b):
+        return -1
+    return 0

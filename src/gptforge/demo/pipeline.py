@@ -23,7 +23,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gptforge.demo.plan import PROMPTS, SPLIT, Paths, Settings, Steps, calibrate, write_configs
+from gptforge.demo.plan import (
+    PROMPTS,
+    SPLIT,
+    Paths,
+    Settings,
+    Steps,
+    calibrate,
+    refit_finetune,
+    write_configs,
+)
 from gptforge.demo.stages import ROWS, STAGES, command_line
 from gptforge.errors import GPTForgeError, UsageError
 from gptforge.evaluate.common import write_json_atomic
@@ -57,6 +66,16 @@ class _Tee(io.TextIOBase):
         self.log.flush()
 
 
+def _mmss(seconds: float) -> str:
+    m, sec = divmod(int(round(seconds)), 60)
+    return f"{m}:{sec:02d}"
+
+
+def _loss_summary(o: dict) -> str:
+    steps = f"{o['steps']} steps, " if o.get("steps") else ""
+    return f"{steps}loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}"
+
+
 def _train_lines(line: str) -> bool:
     return line.startswith(("[train]", "[eval]", "[Training]"))
 
@@ -80,6 +99,7 @@ class Demo:
         self.echo = echo
         self.console = sys.stdout
         self.records: dict[str, StageRecord] = {}
+        self.refits: dict[str, int] = {}  # fine-tune steps re-fitted to the budget left, per stage
         self._current: StageRecord | None = None
         self._open_state(force)
 
@@ -100,6 +120,7 @@ class Demo:
                 doc = {}
             if doc.get("format") == STATE_FORMAT and doc.get("settings") == _jsonable(self.s.fingerprint()) and not force:
                 self.records = {k: StageRecord(**v) for k, v in doc.get("stages", {}).items()}
+                self.refits = {k: int(v) for k, v in doc.get("refits", {}).items()}
                 return
             if not force:
                 raise UsageError(f"{p.out}: holds a demo run with other settings; pass --force to start it over, "
@@ -113,13 +134,23 @@ class Demo:
 
     def _save(self) -> None:
         doc = {"format": STATE_FORMAT, "settings": _jsonable(self.s.fingerprint()),
-               "stages": {k: asdict(v) for k, v in self.records.items()}}
+               "stages": {k: asdict(v) for k, v in self.records.items()}, "refits": self.refits}
         write_json_atomic(self.p.state, doc, default=str)
 
     def out(self, stage: str) -> dict:
         return self.records[stage].outputs
 
     # ------------------------------------------------------------------ running
+
+    def elapsed(self) -> float:
+        """Seconds the finished stages took (over every run of this demo directory)."""
+        return sum(r.seconds for r in self.records.values() if r.done)
+
+    def _clock(self) -> str:
+        budget, el = 60.0 * self.s.minutes, self.elapsed()
+        if el <= budget:
+            return f"{_mmss(el)} of {_mmss(budget)}, about {_mmss(budget - el)} left"
+        return f"{_mmss(el)}, over the {_mmss(budget)} budget by {_mmss(el - budget)}"
 
     def say(self, line: str) -> None:
         if self.echo:
@@ -135,7 +166,7 @@ class Demo:
             return rec.outputs
         for d in clean:  # a stage that stopped half-way starts over (training stages resume instead)
             shutil.rmtree(d, ignore_errors=True)
-        self.say(f"{tag} ...")
+        self.say(f"{tag} ... ({self._clock()})")
         rec = StageRecord(name, title)
         self.records[name] = rec
         self._current = rec
@@ -241,7 +272,8 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
                           cloze_examples=60 if s.quick else 200)
         p.prompts.write_text("".join(x + "\n" for x in PROMPTS), encoding="utf-8")
         return {"tokens": int(len(tf.ids)), "documents": tf.n_docs, "eval_documents": h.documents,
-                "heldout_chars": h.text_chars, "cloze_examples": h.cloze_examples}
+                "heldout_chars": h.text_chars, "cloze_examples": h.cloze_examples,
+                "xz_bits_per_byte": xz_bits_per_byte(p.heldout.read_bytes())}
 
     d.stage(2, N, "data", "tokenize the corpus; cut held-out text and a cloze set from the Eval documents", data,
             lambda o: f"{o['tokens']:,} tokens in {o['documents']:,} documents; held-out {o['heldout_chars']:,} "
@@ -263,7 +295,7 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
         return {"ckpt": _latest(p.float), **_metrics(p.float)}
 
     fl = d.stage(4, N, "pretrain", f"pretrain {steps.pretrain} steps", pretrain,
-                 lambda o: f"loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}")
+                 _loss_summary)
     FLOAT = fl["ckpt"]
 
     def generate():
@@ -280,16 +312,34 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
         d.cli("ptq", "-c", cfg_qat, "--ckpt", FLOAT, "--out", p.ptq, "--force", "--no-progress"),
         {"dir": str(p.ptq)})[1], clean=(p.ptq,))
 
-    def qat(out_dir: Path, start: str, extra: tuple[str, ...] = ()):
+    def finetune_steps(stage: str) -> int:
+        """The stage's step count, re-fitted to the budget left (kept once chosen, so a resumed
+        stage continues with the same count)."""
+        if stage not in d.refits:
+            done = {k for k, r in d.records.items() if r.done}
+            per_step = d.records["pretrain"].seconds / max(steps.pretrain, 1) if "pretrain" in d.records else 0.0
+            if per_step <= 0 or not d.records["pretrain"].seconds:  # pretrained by an earlier version: keep the plan
+                d.refits[stage] = steps.finetune
+            else:
+                d.refits[stage] = refit_finetune(s, d.elapsed(), per_step, done)
+            d._save()
+        return d.refits[stage]
+
+    def ft_overrides(n: int) -> tuple[str, ...]:
+        q4 = str(max(n // 4, 1))
+        return ("-o", f"Engine.max_steps={n}", "-o", f"Optimizer.lr.decay_steps={n}", "-o",
+                f"Engine.save_load.save_steps={q4}", "-o", f"Engine.eval_freq={q4}", "-o", f"Engine.logging_freq={q4}")
+
+    def qat(stage: str, out_dir: Path, start: str, extra: tuple[str, ...] = ()):
         def fn():
             d.cli("qat", "-c", cfg_qat, "-o", f"Compress.pretrained={start}",
-                  "-o", f"Engine.save_load.output_dir={out_dir}", *extra, "--resume", "auto", "--no-progress",
-                  show=_train_lines)
-            return {"ckpt": _latest(out_dir), **_metrics(out_dir)}
+                  "-o", f"Engine.save_load.output_dir={out_dir}", *ft_overrides(finetune_steps(stage)), *extra,
+                  "--resume", "auto", "--no-progress", show=_train_lines)
+            return {"ckpt": _latest(out_dir), "steps": finetune_steps(stage), **_metrics(out_dir)}
         return fn
 
-    q = d.stage(7, N, "qat", f"QAT: {steps.finetune} steps of INT8 quantization-aware training", qat(p.qat, FLOAT),
-                lambda o: f"loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}")
+    q = d.stage(7, N, "qat", "QAT: INT8 quantization-aware training", qat("qat", p.qat, FLOAT),
+                _loss_summary)
     QAT = q["ckpt"]
 
     def analysis():
@@ -320,20 +370,21 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
                  lambda o: f"most sensitive: {', '.join(o['top'])} (k = {o['k']})", clean=(p.analysis,))
 
     qs = d.stage(9, N, "qat_skip", f"QAT again with the top {an['k']} layers left float",
-                 qat(p.qat_skip, FLOAT, ("-o", f"Compress.Quantization.skip_tensor_map={an['skip_map']}")),
-                 lambda o: f"loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}")
+                 qat("qat_skip", p.qat_skip, FLOAT,
+                     ("-o", f"Compress.Quantization.skip_tensor_map={an['skip_map']}")),
+                 _loss_summary)
 
     def prune():
-        d.cli("prune", "-c", cfg_prune, "--ckpt", FLOAT, "--resume", "auto", "--no-progress", show=_train_lines)
-        return {"ckpt": _latest(p.pruned), **_metrics(p.pruned)}
+        d.cli("prune", "-c", cfg_prune, "--ckpt", FLOAT, *ft_overrides(finetune_steps("prune")), "--resume", "auto",
+              "--no-progress", show=_train_lines)
+        return {"ckpt": _latest(p.pruned), "steps": finetune_steps("prune"), **_metrics(p.pruned)}
 
-    pr = d.stage(10, N, "prune", f"prune {s.prune_ratio:.0%} of heads and FFN neurons, fine-tune "
-                                 f"{steps.finetune} steps", prune,
-                 lambda o: f"loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}")
+    pr = d.stage(10, N, "prune", f"prune {s.prune_ratio:.0%} of heads and FFN neurons, fine-tune", prune,
+                 _loss_summary)
     PRUNED = pr["ckpt"]
 
-    pq = d.stage(11, N, "pruned_qat", "QAT of the pruned model", qat(p.pruned_qat, PRUNED),
-                 lambda o: f"loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}")
+    pq = d.stage(11, N, "pruned_qat", "QAT of the pruned model", qat("pruned_qat", p.pruned_qat, PRUNED),
+                 _loss_summary)
 
     sources = {"ptq": str(p.ptq), "qat": QAT, "qat_skip": qs["ckpt"], "pruned_qat": pq["ckpt"]}
 
@@ -360,13 +411,14 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
                   *common, "--output", p.evals / f"{row}_cloze.json")
             ppl = json.loads((p.evals / f"{row}_ppl.json").read_text())["metrics"]
             cloze = json.loads((p.evals / f"{row}_cloze.json").read_text())["metrics"]
-            res[row] = {"dir": path, "ppl": ppl["ppl"], "loss": ppl["avg_loss"], "cloze_acc": cloze["accuracy"]}
+            res[row] = {"dir": path, "ppl": ppl["ppl"], "loss": ppl["avg_loss"], "cloze_acc": cloze["accuracy"],
+                        "bits_per_byte": ppl["bits_per_byte"]}
         for row, m in measure_models(models, sh.batch, sh.seq, s.device).items():
             res[row].update(m)
         return res
 
     ev = d.stage(13, N, "evaluate", "evaluate every model: held-out perplexity, cloze accuracy, size, speed",
-                 evaluate, lambda o: ", ".join(f"{k} ppl {v['ppl']:.2f}" for k, v in o.items()),
+                 evaluate, lambda o: ", ".join(f"{k} {v['bits_per_byte']:.3f} bits/byte" for k, v in o.items()),
                  clean=(p.evals,))
 
     def export():
@@ -392,6 +444,13 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
     d.records.pop("report", None)
     rep = d.stage(15, N, "report", "write the report", report, lambda o: f"{o['md']}, {o['html']}")
     return {"report": rep, "rows": ev, "stages": {k: asdict(v) for k, v in d.records.items()}}
+
+
+def xz_bits_per_byte(data: bytes) -> float:
+    """What `xz -9e` needs per byte of `data`: the bar a model of the text must beat."""
+    import lzma
+
+    return len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / max(len(data), 1)
 
 
 def _sample_rows(doc: dict) -> list[dict]:

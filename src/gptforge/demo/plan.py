@@ -111,10 +111,41 @@ def calibrate(s: Settings) -> Steps:
     sec = sorted(times)[2] * TRAINER_OVERHEAD  # a low-middle value: robust to a lucky or a disturbed step
     budget = 60.0 * s.minutes
     lo, hi = (60, 300) if s.quick else (300, 6000)
-    ft_lo, ft_hi = (20, 40) if s.quick else (50, 400)
+    ft_lo, ft_hi = finetune_range(s.quick)
     pretrain = int(min(hi, max(lo, PRETRAIN_SHARE * budget / sec)))
     finetune = int(min(ft_hi, max(ft_lo, FINETUNE_SHARE * budget / (sec * QAT_STEP_COST))))
     return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=str(dev))
+
+
+# What the stages other than training take, relative to each other (measured on 2 cores: analysis
+# and evaluation dominate); together they get the budget's share that training leaves.
+REST_SHARE = 1.0 - PRETRAIN_SHARE - 4 * FINETUNE_SHARE
+REST_WEIGHTS = {"tokenizer": 0.3, "data": 0.3, "plan": 0.2, "generate": 0.5, "ptq": 1.0, "analysis": 5.0,
+                "int8": 1.0, "evaluate": 3.0, "export": 2.0, "report": 0.5}
+FINETUNE_STAGES = ("qat", "qat_skip", "prune", "pruned_qat")
+
+
+def finetune_range(quick: bool) -> tuple[int, int]:
+    return (20, 40) if quick else (50, 400)
+
+
+def refit_finetune(s: Settings, elapsed: float, step_seconds: float, done: set[str]) -> int:
+    """Steps for each fine-tune still to run, re-fitted to the budget that is left.
+
+    `elapsed`: seconds the demo has run; `step_seconds`: a float training step as measured by
+    the pretraining stage (its wall time / its steps, evaluations and checkpoints included), so a
+    machine that got slower since the plan trains fewer steps. Time is kept for the other
+    stages still to come by their weights in REST_WEIGHTS.
+    """
+    budget = 60.0 * s.minutes
+    rest_left = sum(w for k, w in REST_WEIGHTS.items() if k not in done) / sum(REST_WEIGHTS.values())
+    reserve = REST_SHARE * budget * rest_left
+    left = [k for k in FINETUNE_STAGES if k not in done]
+    lo, hi = finetune_range(s.quick)
+    if not left:
+        return lo
+    per = (budget - elapsed - reserve) / len(left) / (step_seconds * QAT_STEP_COST)
+    return max(lo, _round(int(min(hi, max(lo, per)))))
 
 
 def _round(n: int) -> int:

@@ -8,7 +8,6 @@ row is listed, so each row can be reproduced by hand.
 from __future__ import annotations
 
 import datetime
-import html
 import math
 import os
 import platform
@@ -61,7 +60,7 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
     from gptforge.demo.stages import ROWS
 
     files = {}
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for key, label, style in (("pretrain", "pretrain", "-"), ("qat", "QAT", "-"), ("prune", "pruned fine-tune", "-")):
         o = d.out(key)
         offset = 0 if key == "pretrain" else d.out("pretrain")["train"][-1][0]
@@ -75,36 +74,37 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(fontsize=8)
     files["loss"] = out / PLOTS["loss"]
     fig.savefig(files["loss"], dpi=110)
     plt.close(fig)
 
     an = d.out("analysis")
     ranking = an["ranking"]
-    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(ranking) + 1)))
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.28 * len(ranking) + 1)), layout="constrained")
     names = [f"{r['reference_name']}  {r['name']}" for r in ranking][::-1]
     vals = [r["sensitivity"] for r in ranking][::-1]
     colors = ["tab:red" if r["name"] in an["top"] else "tab:blue" for r in ranking][::-1]
     ax.barh(names, vals, color=colors)
-    ax.set_xlabel("sensitivity: QAT loss - loss with this layer float (larger = more sensitive)")
-    ax.set_title(f"quantization sensitivity (red: the top {an['k']}, left float in the next QAT)")
+    ax.set_xlabel("sensitivity: QAT loss - loss with this layer float\n(larger = more sensitive)")
+    ax.set_title(f"quantization sensitivity\n(red: the top {an['k']}, left float in the next QAT)")
     ax.tick_params(axis="y", labelsize=8)
-    fig.tight_layout()
+    ax.tick_params(axis="x", labelrotation=30)
     files["sensitivity"] = out / PLOTS["sensitivity"]
     fig.savefig(files["sensitivity"], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for key, r in rows.items():
-        ax.scatter(r["tokens_per_s"], r["ppl"], s=40)
-        ax.annotate(ROWS[key], (r["tokens_per_s"], r["ppl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("tokens/s (forward pass)")
-    ax.set_ylabel("held-out perplexity (lower is better)")
+        rates = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
+        med = r["tokens_per_s"]
+        ax.errorbar([med], [r["bits_per_byte"]], xerr=[[med - min(rates)], [max(rates) - med]], fmt="o", capsize=3)
+        ax.annotate(ROWS[key], (med, r["bits_per_byte"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("tokens/s (forward pass; median and min-max of the rounds)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("speed vs quality")
+    ax.tick_params(axis="x", labelrotation=30)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     files["tradeoff"] = out / PLOTS["tradeoff"]
     fig.savefig(files["tradeoff"], dpi=110)
     plt.close(fig)
@@ -114,36 +114,76 @@ def _plots(d, rows: dict, out: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------- content
 
 
-def _checks(d, rows: dict) -> list[tuple[bool, str, str]]:
+def _checks(d, rows: dict) -> list[tuple[str, str, str]]:
+    """(verdict, name, detail): verdict PASS, FAIL or "n/a" (a speed difference inside the noise)."""
+    from gptforge.demo.measure import compare_speeds
     from gptforge.demo.stages import STAGES
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
 
     pre = d.out("pretrain")
     first, last = pre["train"][0][1], pre["train"][-1][1]
     ev = pre["eval"]
     eval_note = f"; eval loss {ev[0][1]:.3f} -> {ev[-1][1]:.3f}" if len(ev) >= 2 else ""
     ptq, qat = rows["ptq"]["ppl"], rows["qat"]["ppl"]
-    dense, pruned = rows["float"]["tokens_per_s"], rows["pruned"]["tokens_per_s"]
     stages = [r for r in d.records.values() if r.name != "report"]
     done = sum(1 for r in stages if r.done)
-    numbers = [v for r in rows.values() for k, v in r.items() if k in ("ppl", "loss", "cloze_acc", "tokens_per_s")]
-    return [
-        (last < first, "loss falls", f"pretraining loss {first:.3f} -> {last:.3f}{eval_note}"),
-        (qat < ptq, "QAT better than PTQ", f"held-out ppl {qat:.3f} (QAT) vs {ptq:.3f} (PTQ)"),
-        (pruned > dense, "pruned model faster than dense",
-         f"{pruned:,.0f} vs {dense:,.0f} tokens/s ({pruned / dense:.2f}x)"),
-        (all(_finite(x) for x in numbers), "every number finite", f"{len(numbers)} figures"),
-        (done == len(stages) == STAGES - 1, "every stage ran", f"{done} of {STAGES - 1} stages before this report"),
-    ]
+    numbers = [v for r in rows.values() for k, v in r.items()
+               if k in ("ppl", "loss", "cloze_acc", "tokens_per_s", "bits_per_byte")]
+    out = [(verdict(last < first), "loss falls", f"pretraining loss {first:.3f} -> {last:.3f}{eval_note}")]
+    xz = d.out("data").get("xz_bits_per_byte")
+    if xz is not None:
+        bpb = rows["float"]["bits_per_byte"]
+        out.append((verdict(bpb < xz), "the float model learned the text",
+                    f"{bpb:.3f} bits per byte on the held-out text vs {xz:.3f} for xz -9e on the same bytes"))
+    out.append((verdict(qat < ptq), "QAT better than PTQ", f"held-out ppl {qat:.3f} (QAT) vs {ptq:.3f} (PTQ)"))
+    dense, pruned = rows["float"], rows["pruned"]
+    cmp = compare_speeds(pruned.get("tokens_per_s_rounds") or [pruned["tokens_per_s"]],
+                         dense.get("tokens_per_s_rounds") or [dense["tokens_per_s"]])
+    speeds = f"median {pruned['tokens_per_s']:,.0f} vs {dense['tokens_per_s']:,.0f} tokens/s ({_spread(pruned)} vs {_spread(dense)})"
+    if cmp == 0:
+        out.append(("n/a", "pruned vs dense speed", f"no measurable difference: the rounds' spreads overlap; {speeds}"))
+    else:
+        out.append((verdict(cmp > 0), "pruned model faster than dense", speeds))
+    out += [(verdict(all(_finite(x) for x in numbers)), "every number finite", f"{len(numbers)} figures"),
+            (verdict(done == len(stages) == STAGES - 1), "every stage ran",
+             f"{done} of {STAGES - 1} stages before this report")]
+    return out
+
+
+def _refits(d, steps: dict) -> str:
+    refits = getattr(d, "refits", {}) or {}
+    return ", ".join(f"{k} {refits.get(k, steps['finetune'])}" for k in ("qat", "qat_skip", "prune", "pruned_qat"))
+
+
+def _spread(r: dict) -> str:
+    rates = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
+    return f"{min(rates):,.0f}-{max(rates):,.0f}"
+
+
+def visible_whitespace(text: str) -> str:
+    """Whitespace made visible: a newline is shown as ↵ (then a line break), a tab as →, trailing
+    spaces of a line as ␣, other control characters as Python escapes."""
+    lines = []
+    for line in text.split("\n"):
+        body = line.rstrip(" ")
+        line = body + "␣" * (len(line) - len(body))
+        line = "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line).replace("\t", "→")
+        lines.append(line)
+    return "↵\n".join(lines)
 
 
 def _table(rows: dict) -> tuple[list[str], list[list[str]]]:
     from gptforge.demo.stages import ROWS
 
-    head = ["model", "precision / shape", "params", "size on disk", "tokens/s", "held-out loss", "ppl", "cloze acc"]
+    head = ["model", "precision / shape", "params", "size on disk", "tokens/s (min-max)", "bits/byte",
+            "held-out loss", "ppl", "cloze acc"]
     body = []
     for key, r in rows.items():
         body.append([ROWS[key], r["description"], f"{r['params'] / 1e6:.2f} M", _fmt_bytes(r["size_bytes"]),
-                     f"{r['tokens_per_s']:,.0f}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{100 * r['cloze_acc']:.1f}%"])
+                     f"{r['tokens_per_s']:,.0f} ({_spread(r)})", f"{r['bits_per_byte']:.3f}", f"{r['loss']:.4f}",
+                     f"{r['ppl']:.3f}", f"{100 * r['cloze_acc']:.1f}%"])
     return head, body
 
 
@@ -164,46 +204,47 @@ def _commands_for(d, ref: str) -> list[list[str]]:
     return [command_line(c) for c in cmds]
 
 
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+        "th{background:#f4f4f4}pre{background:#f6f8fa;padding:1em;overflow-x:auto;font-size:13px}"
+        "code{background:#f6f8fa;padding:0 3px}img{max-width:100%}")
+
+
 class _Doc:
-    """Collects the report once and renders it as Markdown and as HTML."""
+    """Collects the report as Markdown; the HTML page is rendered from it by markdown-it-py."""
 
     def __init__(self):
         self.md: list[str] = []
-        self.html: list[str] = []
 
     def h(self, level: int, text: str) -> None:
         self.md += [f"{'#' * level} {text}", ""]
-        self.html.append(f"<h{level}>{html.escape(text)}</h{level}>")
 
     def p(self, text: str) -> None:
         self.md += [text, ""]
-        self.html.append(f"<p>{html.escape(text)}</p>")
 
     def items(self, lines: list[str]) -> None:
         self.md += [f"- {x}" for x in lines] + [""]
-        self.html.append("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
 
     def table(self, head: list[str], body: list[list[str]]) -> None:
         self.md += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         self.md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body] + [""]
-        th = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-        trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
-        self.html.append(f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>")
 
     def code(self, lines: list[str]) -> None:
-        self.md += ["```", *lines, "```", ""]
-        self.html.append("<pre><code>" + html.escape("\n".join(lines)) + "</code></pre>")
+        fence = "````" if any("```" in x for x in lines) else "```"
+        self.md += [fence, *lines, fence, ""]
 
     def image(self, alt: str, name: str) -> None:
         self.md += [f"![{alt}]({name})", ""]
-        self.html.append(f'<figure><img src="{html.escape(name)}" alt="{html.escape(alt)}">'
-                         f"<figcaption>{html.escape(alt)}</figcaption></figure>")
 
+    def markdown(self) -> str:
+        return "\n".join(self.md)
 
-_CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}"
-        "th{background:#f4f4f4}pre{background:#f6f8fa;padding:1em;overflow-x:auto;font-size:13px}"
-        "img{max-width:100%}figure{margin:1em 0}figcaption{color:#666;font-size:90%}")
+    def html(self) -> str:
+        from markdown_it import MarkdownIt
+
+        body = MarkdownIt("commonmark", {"html": False}).enable("table").render(self.markdown())
+        return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gptforge demo report"
+                f"</title><style>{_CSS}</style></head><body>\n{body}</body></html>\n")
 
 
 def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
@@ -222,25 +263,33 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
-        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {steps['pretrain']} steps, every fine-tune "
-        f"{steps['finetune']} steps (a training step measured at {steps['step_seconds'] * 1e3:.0f} ms)",
+        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {steps['pretrain']} steps (a training step "
+        f"measured at {steps['step_seconds'] * 1e3:.0f} ms); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
     doc.table(*_table(rows))
     doc.p(f"tokens/s: forward-pass (scoring) throughput at batch {s.shape.batch} x {s.shape.seq} tokens on "
-          f"{steps['device']}, best of 5 interleaved rounds over the six models. INT8 rows are the real INT8 "
+          f"{steps['device']}: the median of 5 interleaved rounds over the six models (each round the best of 3 "
+          "passes), with the rounds' min-max; two speeds differ only where those ranges do not overlap. "
+          "Bits/byte: the held-out text's total negative log-likelihood in bits over its UTF-8 bytes, which "
+          "compares models whatever their tokenizer. INT8 rows are the real INT8 "
           "models (`gptforge quantize --convert`): their quality, size and speed are those of the same files. Held-out loss / ppl: `gptforge eval` with the "
           f"WikiText method on {data['heldout_chars']:,} characters of Eval-split documents (never trained on). "
           f"Cloze acc: LAMBADA-style strict whole-word accuracy on {data['cloze_examples']} passages cut from the "
-          "same documents. The QAT and pruned rows trained "
-          f"{steps['finetune']} more steps than the float row, as in the reference's recipes.")
-    if rows["qat"]["tokens_per_s"] < rows["float"]["tokens_per_s"]:
+          "same documents. The QAT and pruned rows fine-tuned the float model further "
+          f"({_refits(d, steps)} steps), as in the reference's recipes.")
+    from gptforge.demo.measure import compare_speeds
+
+    def rounds(r: dict) -> list[float]:
+        return r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
+
+    if compare_speeds(rounds(rows["qat"]), rounds(rows["float"])) < 0:
         doc.p(f"INT8 is slower than fp32 here: at hidden size {s.shape.hidden} a Linear's matrix product is too "
               "small for the int8 kernel's saving to pay for quantizing its input and dequantizing its output. "
               "At the 345M shape the same INT8 path decodes 2.0x faster than fp32 on this kind of CPU "
               "(benchmarks/results/2026-11-22-int8_speed.md).")
     doc.h(2, "Checks")
-    doc.items([f"{'PASS' if ok else 'FAIL'}: {name}: {detail}" for ok, name, detail in _checks(d, rows)])
+    doc.items([f"{verdict}: {name}: {detail}" for verdict, name, detail in _checks(d, rows)])
     doc.h(2, "Plots")
     doc.image("training loss", PLOTS["loss"])
     doc.image("speed vs quality", PLOTS["tradeoff"])
@@ -254,7 +303,11 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
               [[str(i), r["name"], r["reference_name"], f"{r['sensitivity']:+.3e}"]
                for i, r in enumerate(an["ranking"][:10], 1)])
     doc.h(2, "Samples (float model, top-k 40, temperature 0.8)")
-    doc.code([f"{x['prompt']!r} -> {x['text']!r}" for x in d.out("generate")["samples"]])
+    doc.p("Whitespace is shown: ↵ ends a line, → is a tab, ␣ a trailing space; the prompt is in [brackets].")
+    for x in d.out("generate")["samples"]:
+        text = x["text"] or ""
+        rest = text[len(x["prompt"]):] if text.startswith(x["prompt"]) else text
+        doc.code(visible_whitespace(f"[{x['prompt']}]{rest}").split("\n"))
     ex = d.out("export")
     doc.h(2, "Export")
     doc.items([f"HF transformers directory (float model): {ex['hf']} ({_fmt_bytes(ex['hf_bytes'])})",
@@ -277,9 +330,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     doc.code(lines)
 
     md = p.out / "report.md"
-    md.write_text("\n".join(doc.md), encoding="utf-8")
+    md.write_text(doc.markdown(), encoding="utf-8")
     page = p.out / "report.html"
-    page.write_text("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gptforge demo report"
-                    f"</title><style>{_CSS}</style></head><body>\n" + "\n".join(doc.html) + "\n</body></html>\n",
-                    encoding="utf-8")
+    page.write_text(doc.html(), encoding="utf-8")
     return {"md": md, "html": page, **plots}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from gptforge.errors import ConfigError
 from gptforge.fsguard import disk_full_guard
-from gptforge.progress import Progress
+from gptforge.progress import bar as progress_bar
 
 # Rows projected onto the vocabulary at once: bounds the [rows, V] fp32 buffer (~200 MB at
 # V=50304) when every position is scored (WikiText with stride = window).
@@ -123,7 +123,7 @@ def score_sequences(model: torch.nn.Module, seqs: list[list[int]], first: list[i
     results: list[Scored | None] = [None] * len(seqs)
     autocast = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
-    bar = Progress(total=len(seqs), desc=desc, unit="seq", progress=progress)
+    bar = progress_bar(total=len(seqs), desc=desc, unit="seq", enabled=progress)
     with torch.inference_mode(), autocast:
         for idx in _batches(order, [len(s) - 1 for s in seqs], batch_size, max_tokens):
             T = len(seqs[idx[0]]) - 1

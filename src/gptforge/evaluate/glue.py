@@ -61,7 +61,7 @@ def run_glue_eval(cfg, clf, tokenizer, task_name: str | None, *, file: str | os.
     doc = {"task": task.name, "metric": metric, "results": results, "max_length": max_length,
            "model": model_identity(clf, cfg, ckpt), "tokenizer": tokenizer_identity(tokenizer),
            "seconds": round(time.perf_counter() - t0, 3)}
-    path = output or cfg.Offline_Eval.output or default_output("glue")
+    path = output or cfg.Offline_Eval.output or default_output("glue", ckpt)
     write_json_atomic(path, doc)
     if echo:
         print(f"results: {path}")

@@ -20,7 +20,6 @@ from typing import Any
 
 from gptforge.errors import UsageError
 from gptforge.fsguard import check_path_kind
-from gptforge.progress import enabled, mode
 
 MODEL_NAME = "gptforge"  # name registered with lm-eval's model registry
 _CLASS: type | None = None
@@ -89,8 +88,7 @@ def run_harness(model, tokenizer, tasks: list[str] | str, *, include_path: str |
                          + ("" if builtin_tasks else " (add --builtin-tasks for lm-eval's own tasks)"))
     lm = lm_class()(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                     vocab_size=vocab_size, amp_dtype=amp_dtype, progress=progress)
-    # lm-eval's and datasets' own bars redraw with \r: shown only when ours are bars too
-    with contextlib.nullcontext() if enabled(progress) and mode() == "bar" else _no_progress_bars():
+    with contextlib.nullcontext() if progress else _no_progress_bars():
         res = evaluator.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
                                         num_fewshot=num_fewshot, log_samples=True,
                                         bootstrap_iters=bootstrap_iters)

@@ -13,7 +13,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gptforge.errors import DataError, UsageError
 from gptforge.evaluate.common import check_token_ids, model_context, model_device, score_sequences
-from gptforge.progress import Progress
+from gptforge.progress import bar as progress_bar
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until
 
@@ -125,7 +125,7 @@ class GPTForgeLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
-        bar = Progress(total=len(requests), desc="generate_until", progress=not disable_tqdm and self.progress)
+        bar = progress_bar(total=len(requests), desc="generate_until", enabled=self.progress and not disable_tqdm)
         eos_text = self.tok_decode([self.eot_token_id])
         for idx in groups.values():
             kw = dict(requests[idx[0]].args[1])

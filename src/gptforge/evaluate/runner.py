@@ -15,9 +15,10 @@ from gptforge.evaluate.lambada import evaluate_lambada
 from gptforge.evaluate.wikitext import evaluate_wikitext
 
 
-def default_output(kind: str) -> Path:
-    """`./eval_results_<kind>.json`: results go where the user works, never into a model
-    directory (which may be shared, read-only, or another run's checkpoint) unless asked."""
+def default_output(kind: str, ckpt: str | os.PathLike | None = None) -> Path:
+    """`./eval_results_<kind>.json` in the working directory. Never the checkpoint's directory: a
+    model directory holds the model, and an evaluation must not change it (give `--out` for
+    another place). `ckpt` is accepted for callers that pass it; it does not decide the place."""
     return Path.cwd() / f"eval_results_{kind}.json"
 
 
@@ -77,7 +78,7 @@ def run_eval(cfg, model: torch.nn.Module, tokenizer, *, output: str | os.PathLik
                      "amp_dtype": str(common["amp_dtype"]).replace("torch.", "") if common["amp_dtype"] else None}
     res["model"] = model_identity(model, cfg, ckpt)
     res["tokenizer"] = tokenizer_identity(tokenizer)
-    out = Path(output or oe.output or default_output(res["task"]))
+    out = Path(output or oe.output or default_output(res["task"], ckpt))
     res["output"] = str(out)
     write_json_atomic(out, res)
     if echo:
@@ -97,7 +98,7 @@ def summary_lines(res: dict) -> list[str]:
                         if m["truncated_contexts"] else ""))
     else:
         lines.append(f"wikitext tokens: {m['num_tokens']} | original words: {m['num_original_tokens']} | "
-                     f"windows scored: {m['windows']}")
+                     f"windows scored: {m['windows']} | bits per byte: {m['bits_per_byte']:.4f}")
     ref = res.get("reference_aggregation")
     if ref:
         lines.append("EMULATED reference aggregation (x logging_freq batch 0, dropped tail; not correct): "

@@ -92,7 +92,8 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
     num_original_tokens = len(raw.strip().split(" "))
     if num_original_tokens < 2:
         raise DataError(f"{path}: needs at least two words to measure perplexity")
-    tokens = tokenizer.encode(wikitext_detokenize(raw))
+    text = wikitext_detokenize(raw)
+    tokens = tokenizer.encode(text)
     N = len(tokens)
     if N < 2:
         raise DataError(f"{path}: {N} token(s) after tokenization; nothing to score")
@@ -114,6 +115,7 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
         nll[w] = -x.logprob
     metrics = _ppl_metrics(math.fsum(nll), N, num_original_tokens)
     metrics.update(windows=len(used), reference_windows=len(plan))
+    metrics.update(_bits_per_byte(math.fsum(nll), text, tokenizer.decode(tokens[:1])))
     m = metrics
     result = {
         "task": "wikitext",
@@ -124,6 +126,8 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
             "ppl": "exp(min(20, avg_loss))",
             "token_ratio": "(N - 1) / (original whitespace-split words - 1)",
             "adjusted_ppl": "exp(min(20, avg_loss * token_ratio)): word-level-normalised perplexity",
+            "bits_per_byte": "sum of token NLL / ln 2 / UTF-8 bytes of the scored text (the detokenized text "
+                             "after its first token): tokenizer-independent",
         },
         "final_line": _final_line(path, m),
         "windows": [{"index": w, "start": plan[w][0], "scored": x.count, "nll": -x.logprob}
@@ -153,6 +157,12 @@ def _ppl_metrics(total_nll: float, n_tokens: int, num_original_tokens: int) -> d
         "num_tokens": n_tokens,
         "num_original_tokens": num_original_tokens,
     }
+
+
+def _bits_per_byte(total_nll: float, text: str, first_token_text: str) -> dict:
+    # The first token is context only (never scored), so its bytes are not counted either.
+    scored = len(text.encode("utf-8")) - len(first_token_text.encode("utf-8"))
+    return {"bits_per_byte": total_nll / math.log(2) / max(scored, 1), "scored_bytes": scored}
 
 
 def _final_line(path, m: dict) -> str:

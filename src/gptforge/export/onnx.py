@@ -41,7 +41,6 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
     from gptforge.export.qdq import onnx_translations, resolve_qdq_dtype
     from gptforge.export.step import StepModel, dynamic_shapes, example_inputs
     from gptforge.model_io import atomic_dir
-    from gptforge.progress import task
 
     t0 = time.perf_counter()
     check_plain_linears(model, "the ONNX export")
@@ -51,24 +50,22 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
     gm = graph_model(model, prec, qdq_dtype)
     report = new_report("onnx", model, gm, prec, kind, out_dir, tokenizer, qdq_dtype)
     report.opset = OPSET
-    with task("export", f"tracing the model to ONNX ({prec})"), quiet_exporter():
+    with quiet_exporter():
         prog = torch.onnx.export(
             StepModel(gm).eval(), example_inputs(gm), dynamo=True, opset_version=OPSET, verbose=False,
             input_names=report.inputs, output_names=report.outputs,
             dynamic_shapes=dynamic_shapes(report.num_layers, report.max_positions),
             custom_translation_table=onnx_translations() if prec == "int8" else None)
     with atomic_dir(out_dir, overwrite) as tmp:
-        with task("export", "writing and validating model.onnx"):
-            with quiet_exporter():
-                prog.save(tmp / MODEL_FILE)
-            del prog
-            try:
-                onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
-            except onnx.checker.ValidationError as e:  # a bug, not user input: keep the message whole
-                raise RuntimeError(f"onnx.checker rejected the exported graph: {e}") from e
+        with quiet_exporter():
+            prog.save(tmp / MODEL_FILE)
+        del prog
+        try:
+            onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
+        except onnx.checker.ValidationError as e:  # a bug, not user input: keep the message whole
+            raise RuntimeError(f"onnx.checker rejected the exported graph: {e}") from e
         if check:
-            with task("export", "checking the ONNX model against PyTorch (onnxruntime)"):
-                report.check = check_onnx(tmp / MODEL_FILE, model, gm, report)
+            report.check = check_onnx(tmp / MODEL_FILE, model, gm, report)
         report.seconds = round(time.perf_counter() - t0, 2)
         write_side_files(tmp, report, cfg, tokenizer)
     return report

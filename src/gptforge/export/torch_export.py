@@ -34,7 +34,6 @@ def export_torch(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *
     from gptforge.export.program import check_program, graph_model, new_report, write_side_files
     from gptforge.export.step import StepModel, dynamic_shapes, example_inputs
     from gptforge.model_io import atomic_dir
-    from gptforge.progress import task
 
     t0 = time.perf_counter()
     check_plain_linears(model, "torch.export")
@@ -42,18 +41,17 @@ def export_torch(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *
     prec = resolve_precision(precision, kind)
     gm = graph_model(model, prec)
     report = new_report("torch", model, gm, prec, kind, out_dir, tokenizer, "uint8")
-    with task("export", f"tracing the model with torch.export ({prec})"), quiet_exporter():
+    with quiet_exporter():
         ep = torch.export.export(StepModel(gm).eval(), example_inputs(gm),
                                  dynamic_shapes=dynamic_shapes(report.num_layers, report.max_positions))
     with atomic_dir(out_dir, overwrite) as tmp:
         torch.export.save(ep, str(tmp / MODEL_FILE))
         del ep
         if check:
-            with task("export", "checking the program against PyTorch"):
-                loaded = torch.export.load(str(tmp / MODEL_FILE)).module()
-                int8 = prec == "int8"
-                report.check = check_program(lambda xs: list(loaded(*xs)), model if int8 else gm, report,
-                                             gm if int8 else None)
+            loaded = torch.export.load(str(tmp / MODEL_FILE)).module()
+            int8 = prec == "int8"
+            report.check = check_program(lambda xs: list(loaded(*xs)), model if int8 else gm, report,
+                                         gm if int8 else None)
         report.seconds = round(time.perf_counter() - t0, 2)
         write_side_files(tmp, report, cfg, tokenizer)
     return report

@@ -228,7 +228,13 @@ class _Run:
             raise ConfigError(f"Optimizer.lr.warmup: {lr.warmup_steps} steps exceed the run's {self.total} steps")
         self.scheduler = Scheduler(self.optimizer, LRSchedule(lr.name, lr.max_lr, lr.min_lr, decay, warmup,
                                                               lr.use_increments))
-        self.log = RunLogger(self.output_dir, total_steps=self.total, progress=progress, echo=echo, desc="finetune")
+        from gptforge.train.trackers import check_trackers, open_trackers
+
+        check_trackers(e.trackers)
+        self.log = RunLogger(self.output_dir, total_steps=self.total, progress=progress, echo=echo,
+                             tensorboard="tensorboard" in e.trackers,
+                             trackers=lambda: open_trackers(e.trackers, self.output_dir, e.tracker_project,
+                                                            e.tracker_run_name, cfg.to_dict()))
         self.step = 0
         self.result = FinetuneResult(task.name, self.epochs, 0, [], output_dir=self.output_dir)
 

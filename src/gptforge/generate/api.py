@@ -243,9 +243,9 @@ def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationC
         check_decode_fits(be, cfg, min(bs, len(ids)), max(map(len, ids), default=1), limit)
         starts = range(0, len(ids), bs)
         if progress:
-            from gptforge.progress import track
+            from gptforge.progress import bar as progress_bar
 
-            starts = track(starts, desc="generate", unit="batch", progress=progress)
+            starts = progress_bar(starts, desc="generate", unit="batch")
         for start in starts:
             chunk = ids[start: start + bs]
             out = _search(be, left_pad(chunk, pad, be.device), cfg, eos, pad, limit, processors, dbe)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gptforge.generate.speculative import truncate_cache
 from gptforge.model.gpt import GPT
 
 
@@ -31,6 +32,10 @@ class SeqSlot:
         self.v = [torch.empty_like(k) for k in self.k]
         self.capacity = capacity
         self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (speculative rollback; later ones are overwritten)."""
+        self.length = length
 
     @classmethod
     def for_model(cls, model: nn.Module, capacity: int) -> SeqSlot:
@@ -48,6 +53,7 @@ class Segment:
     token_ids: list[int]
     start: int  # position of the first new token (= tokens already in the slot)
     want_logits: bool  # return the logits after its last token
+    all_logits: bool = False  # return the logits after every one of its tokens (speculative verification)
 
 
 class RaggedBatch:
@@ -64,7 +70,9 @@ class RaggedBatch:
             ids += s.token_ids
             pos += range(s.start, s.start + n)
             offset += n
-            if s.want_logits:
+            if s.all_logits:
+                want += range(offset - n, offset)
+            elif s.want_logits:
                 want.append(offset - 1)
         self.input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         self.position_ids = torch.tensor([pos], dtype=torch.long, device=device)
@@ -105,13 +113,18 @@ class RaggedSlots:
         return self.backend.new_slot(capacity)
 
     def step(self, segments: Sequence[Segment]) -> torch.Tensor:
-        """Logits [R, V] after the last token of each segment with `want_logits`, in order."""
+        """Logits [R, V] after the last token of each segment with `want_logits` (after every
+        token of one with `all_logits`), in order."""
         return self.backend.step_ragged(RaggedBatch(segments, self.device))
 
 
 class _SeqCache:
     def __init__(self, cache, capacity: int):
         self.cache, self.capacity, self.length = cache, capacity, 0
+
+    def truncate(self, length: int) -> None:
+        truncate_cache(self.cache, length)
+        self.length = length
 
 
 class SequentialSlots:
@@ -131,6 +144,8 @@ class SequentialSlots:
     def step(self, segments: Sequence[Segment]) -> torch.Tensor:
         rows = []
         for s in segments:
+            if s.all_logits:  # the engine checks `ragged` before asking; never silently wrong
+                raise ValueError("SequentialSlots cannot return the logits of every position")
             n = len(s.token_ids)
             ids = torch.tensor([s.token_ids], dtype=torch.long, device=self.device)
             pos = torch.arange(s.start, s.start + n, device=self.device)[None]

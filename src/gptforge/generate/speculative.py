@@ -88,9 +88,65 @@ def load_draft(path, *, device=None, tokenizer=None, target_name: str = "model")
     return model
 
 
+# ------------------------------------------------------------------------------ acceptance
+# The per-row acceptance rules, shared by `SpeculativeDecoder` (generate, infer) and the
+# continuous-batching engine of `gptforge serve`.
+
+def align_draft_logits(logits: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """Draft logits [..., Vd] as float32 on the target's `device` and vocabulary width (ids the
+    draft lacks: -inf; ids past the target's: dropped)."""
+    logits = logits.to(device).float()
+    Vd = logits.shape[-1]
+    if Vd > vocab_size:
+        return logits[..., :vocab_size]
+    if Vd < vocab_size:
+        return torch.nn.functional.pad(logits, (0, vocab_size - Vd), value=float("-inf"))
+    return logits
+
+
+def accept_greedy(drafts: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of `drafts` [N, k] against the target's argmax `choice` [N, k+1]:
+    (accepted counts [N], tokens [N, k+1]); row r emits `tokens[r, :acc[r] + 1]`. Up to the first
+    mismatch the draft's tokens are the target's argmax, so the tokens are `choice` itself."""
+    k = drafts.shape[1]
+    acc = (drafts == choice[:, :k]).long().cumprod(1).sum(1)
+    return acc, choice
+
+
+def accept_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling with rejection (Leviathan et al. 2023, Chen et al. 2023) of `drafts`
+    [N, k] drawn from `q` [N, k, V], against the target's `p` [N, k+1, V] (both the processed,
+    warped distributions): (accepted counts [N], tokens [N, k+1]); row r emits
+    `tokens[r, :acc[r] + 1]`. Random numbers: k uniforms per row, then one multinomial draw."""
+    N, k = drafts.shape
+    dev = drafts.device
+    pd = p[:, :k].gather(2, drafts[..., None]).squeeze(-1)
+    qd = q.gather(2, drafts[..., None]).squeeze(-1)
+    u = torch.rand(N, k, generator=generator, device=dev)
+    acc = (u * qd < pd).long().cumprod(1).sum(1)
+    rows = torch.arange(N, device=dev)
+    p_at = p[rows, acc]
+    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, acc]
+    resid = (p_at - q_at).clamp_min(0)
+    empty = resid.sum(-1, keepdim=True) <= 0  # p == q up to rounding: the residual is p itself
+    resid = torch.where(empty, p_at, resid)
+    c = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    E = torch.cat([drafts, c[:, None]], 1)
+    E[rows, acc] = c
+    return acc, E
+
+
+def next_k(k: int, all_accepted: bool) -> int:
+    """`num_draft_tokens: auto`'s next K (HF's rule): +2 after a round in which every draft
+    token was accepted, -1 otherwise, within AUTO_MIN..AUTO_MAX."""
+    return min(k + 2, AUTO_MAX) if all_accepted else max(k - 1, AUTO_MIN)
+
+
 # ------------------------------------------------------------------------------ caches
 
-def _truncate(cache, length: int) -> None:
+def truncate_cache(cache, length: int) -> None:
+    """Roll a KV cache (ours or onnxruntime's past arrays) back to its first `length` positions."""
     if hasattr(cache, "k"):  # our KVCache: slots past `length` are overwritten by the next write
         cache.length = length
     elif hasattr(cache, "arrays"):  # onnxruntime's concatenated past arrays
@@ -177,7 +233,7 @@ class _Lane:
         seg.masked_fill_(drop, 0)
         if bool(drop[:, :top].any()):
             self.holes = True
-        _truncate(self.cache, start + top)
+        truncate_cache(self.cache, start + top)
 
     def _compact(self) -> None:
         n = self.length
@@ -260,14 +316,7 @@ class SpeculativeDecoder:
         return proc, warped
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits on the target's device and vocabulary width (extra padded ids: -inf)."""
-        logits = logits.to(self.target.device).float()
-        V, Vd = self.target.vocab_size, logits.shape[-1]
-        if Vd > V:
-            return logits[:, :V]
-        if Vd < V:
-            return torch.nn.functional.pad(logits, (0, V - Vd), value=float("-inf"))
-        return logits
+        return align_draft_logits(logits, self.target.vocab_size, self.target.device)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -384,25 +433,9 @@ class SpeculativeDecoder:
                 ps.append(warped.softmax(-1))
         P = torch.stack(procs, 1)  # [N, k+1, V]
         if self.greedy:
-            choice = P.argmax(-1)
-            acc = (drafts == choice[:, :k]).long().cumprod(1).sum(1)
-            E = choice  # up to the first mismatch the draft's tokens are the target's argmax
+            acc, E = accept_greedy(drafts, P.argmax(-1))
         else:
-            p = torch.stack(ps, 1)
-            q = torch.stack(qs, 1)
-            pd = p[:, :k].gather(2, drafts[..., None]).squeeze(-1)
-            qd = q.gather(2, drafts[..., None]).squeeze(-1)
-            u = torch.rand(N, k, generator=self.generator, device=dev)
-            acc = (u * qd < pd).long().cumprod(1).sum(1)
-            rows = torch.arange(N, device=dev)
-            p_at = p[rows, acc]
-            q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, acc]
-            resid = (p_at - q_at).clamp_min(0)
-            empty = resid.sum(-1, keepdim=True) <= 0  # p == q up to rounding: the residual is p itself
-            resid = torch.where(empty, p_at, resid)
-            c = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=self.generator).squeeze(1)
-            E = torch.cat([drafts, c[:, None]], 1)
-            E[rows, acc] = c
+            acc, E = accept_sampling(drafts, torch.stack(ps, 1), torch.stack(qs, 1), self.generator)
         logp = torch.log_softmax(P, -1).gather(2, E[..., None]).squeeze(-1)
         e = torch.minimum(acc + 1, rem)
         # The history beyond each row's emitted tokens held drafts: clear it.
@@ -413,8 +446,7 @@ class SpeculativeDecoder:
         self.accepted += int(torch.where(was_alive, acc, 0).sum())
         self.k_history.append(k)
         if self.adaptive:
-            full = bool((acc[was_alive] == k).all())
-            self.k = min(self.k + 2, AUTO_MAX) if full else max(self.k - 1, AUTO_MIN)
+            self.k = next_k(self.k, bool((acc[was_alive] == k).all()))
         # -- roll back both caches to what each row keeps (rows that are done keep the most)
         if bool(alive.any()):
             keep_t = e.clone()

@@ -11,6 +11,14 @@ Every iteration (one model step):
    `generate`: `choose_next`), streams the text, and finishes sequences on EOS, a stop string
    or max_tokens: a finished sequence leaves the batch and frees its slot at once.
 
+With a draft model (`Generation.draft`), sequences decode in speculative rounds inside the
+same loop (`_spec_step`): each step runs up to K ragged draft steps (one proposed token per
+sequence each; the draft's prompt chunks ride along with the target's), then ONE target step
+in which every sequence's segment is `[last, d1..dK]` with logits at every position; each
+sequence accepts by the rules of `generate.speculative` (shared functions), both of its slots
+roll back to the accepted length, and the accepted tokens go out one by one exactly as plain
+decoding emits them (EOS, stop strings, max_tokens, logprobs).
+
 Requests talk to the engine through `submit` / `cancel` (any thread) and receive `TokenEvent`
 and `FinishEvent`s through the `sink` callable they pass (called on the engine thread).
 """
@@ -32,6 +40,13 @@ from gptforge.generate.backend import PREFILL_CHUNK, prefill_chunks
 from gptforge.generate.processors import build_processors, build_warpers
 from gptforge.generate.search import choose_next
 from gptforge.generate.slots import Segment
+from gptforge.generate.speculative import (
+    accept_greedy,
+    accept_sampling,
+    align_draft_logits,
+    next_k,
+    parse_num_draft_tokens,
+)
 
 
 class QueueFull(Exception):
@@ -112,6 +127,10 @@ class _Seq:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(int(p.seed) + index % req.n)
+        # Speculative decoding: the draft's slot, and this sequence's own K (adapts with `auto`).
+        self.spec = engine.draft_slots is not None and self.need <= engine.draft_max_positions
+        self.dslot = None
+        self.k = engine.num_draft_tokens
         self.decoder = IncrementalDecoder(engine.tokenizer)
         self.text = ""  # decoded text so far
         self.sent = 0  # characters of `text` already sent
@@ -124,7 +143,8 @@ class Engine:
 
     def __init__(self, slots, tokenizer, *, eos_token_ids: Sequence[int], vocab_limit: int | None,
                  max_positions: int, max_batch_size: int = 16, max_tokens_in_flight: int | None = None,
-                 max_queue: int = 256, prefill_tokens: int = PREFILL_CHUNK, metrics=None):
+                 max_queue: int = 256, prefill_tokens: int = PREFILL_CHUNK, metrics=None,
+                 draft_slots=None, num_draft_tokens="5", draft_max_positions: int | None = None):
         if prefill_tokens < PREFILL_CHUNK:
             raise ValueError(f"prefill_tokens must be >= {PREFILL_CHUNK} (one prompt chunk), got {prefill_tokens}")
         self.slots, self.tokenizer = slots, tokenizer
@@ -136,6 +156,16 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_tokens = prefill_tokens
         self.metrics = metrics
+        # `draft_slots`: `slots_for(draft backend)`; the target's slots must be ragged (verification
+        # needs the logits of every position). A sequence longer than the draft's context decodes plainly.
+        if draft_slots is not None and not getattr(slots, "ragged", False):
+            raise ValueError("speculative decoding needs ragged target slots (logits of every position)")
+        self.draft_slots = draft_slots
+        self.num_draft_tokens, self.adaptive = (parse_num_draft_tokens(num_draft_tokens) if draft_slots is not None
+                                                else (0, False))
+        self.draft_max_positions = draft_max_positions or max_positions
+        self.drafted = 0  # draft tokens proposed / accepted by the target, over all sequences
+        self.accepted = 0
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._reserved = 0
@@ -243,6 +273,8 @@ class Engine:
                 break
             self._waiting.popleft()
             s.slot = self.slots.new_slot(s.need)
+            if s.spec:
+                s.dslot = self.draft_slots.new_slot(s.need)
             self._reserved += s.need
             self._running.append(s)
         self.peak_batch = max(self.peak_batch, len(self._running))
@@ -252,9 +284,12 @@ class Engine:
         if s in self._running:
             self._running.remove(s)
             self._reserved -= s.need
-        s.slot = None  # the slot's buffers go with it
+        s.slot = s.dslot = None  # the slots' buffers go with them
 
     def _step(self) -> None:
+        if self.draft_slots is not None:
+            self._spec_step()
+            return
         segs, owners, budget = [], [], self.prefill_tokens
         for s in self._running:
             if not s.chunks:
@@ -287,7 +322,12 @@ class Engine:
             return True
         hist = torch.tensor([s.prompt + s.generated], dtype=torch.long, device=row.device)
         nxt, logp = choose_next(hist, row[None].clone(), s.processors, s.warpers, p.greedy, s.generator)
-        tok = int(nxt[0])
+        return self._record(s, int(nxt[0]), logp, now)
+
+    def _record(self, s: _Seq, tok: int, logp: torch.Tensor, now: float) -> bool:
+        """Record and stream token `tok` of `s` (`logp` [1, V]: the processed distribution it was
+        chosen from); True when `s` has finished."""
+        p = s.req.params
         s.generated.append(tok)
         m = self.metrics
         if m is not None:
@@ -320,6 +360,128 @@ class Engine:
             return True
         hold = max((len(x) for x in p.stop), default=1) - 1
         s.req.sink(TokenEvent(s.index, tok, self._take(s, len(s.text) - hold), lp, top))
+        return False
+
+    # -- speculative rounds -------------------------------------------------------------------
+
+    def _spec_step(self) -> None:
+        """One speculative round for every decoding sequence, with the prompt chunks of
+        sequences still being prefilled riding along (the same chunks in draft and target)."""
+        decoding = [s for s in self._running if not s.chunks]
+        prefill, budget = [], self.prefill_tokens
+        for s in self._running:
+            if s.chunks and s.chunks[0][1] - s.chunks[0][0] <= budget:
+                a, b = s.chunks.pop(0)
+                budget -= b - a
+                prefill.append((s, a, b, not s.chunks))
+        # K of each decoding sequence this round: never past its max_tokens (the last token is
+        # the target's own), 0 = a plain step.
+        ks = {s: min(s.k, s.req.params.max_tokens - len(s.generated) - 1) if s.spec else 0 for s in decoding}
+        drafts = {s: [] for s in decoding if ks[s] > 0}
+        qs = {s: [] for s in drafts}
+        for i in range(max([ks[s] for s in drafts] + [1 if prefill else 0])):
+            segs, owners = [], []
+            for s in drafts:
+                if i == 0:  # the draft catches up: the last token, and the K-th draft if all were kept
+                    seq = s.prompt + s.generated
+                    segs.append(Segment(s.dslot, seq[s.dslot.length:], s.dslot.length, True))
+                    owners.append(s)
+                elif ks[s] > i:
+                    segs.append(Segment(s.dslot, [drafts[s][-1]], s.dslot.length, True))
+                    owners.append(s)
+            if i == 0:
+                segs += [Segment(s.dslot, s.prompt[a:b], a, False) for s, a, b, _ in prefill if s.spec]
+            if not segs:
+                break
+            logits = self.draft_slots.step(segs)
+            for s, row in zip(owners, logits, strict=True):
+                self._propose(s, row, drafts[s], qs[s])
+        segs, owners = [], []
+        for s in decoding:
+            last = len(s.prompt) + len(s.generated) - 1
+            if s in drafts:
+                segs.append(Segment(s.slot, [s.generated[-1]] + drafts[s], last, True, all_logits=True))
+            else:
+                segs.append(Segment(s.slot, [s.generated[-1]], last, True))
+            owners.append(s)
+        for s, a, b, final in prefill:
+            segs.append(Segment(s.slot, s.prompt[a:b], a, final))
+            if final:
+                owners.append(s)
+        logits = self.slots.step(segs)
+        self.steps += 1
+        now = time.perf_counter()
+        finished, o = [], 0
+        for s in owners:
+            if s in drafts:
+                k = len(drafts[s])
+                done = self._verify(s, logits[o:o + k + 1], drafts[s], qs[s], now)
+                o += k + 1
+            else:
+                done = self._advance(s, logits[o], now)
+                o += 1
+            if done:
+                finished.append(s)
+        if finished:
+            with self._cv:
+                for s in finished:
+                    self._release(s)
+                self._gauges()
+
+    def _scores(self, s: _Seq, hist: list[int], row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(processed scores [1, V], sampling distribution [1, V] or None when greedy) of `row`
+        after `hist`: what `choose_next` computes in plain decoding."""
+        h = torch.tensor([hist], dtype=torch.long, device=row.device)
+        scores = s.processors(h, row[None].clone())
+        probs = None if s.req.params.greedy else s.warpers(h, scores.clone()).softmax(-1)
+        return scores, probs
+
+    def _propose(self, s: _Seq, row: torch.Tensor, drafts: list[int], qs: list[torch.Tensor]) -> None:
+        """The draft's next token from its logits `row` (greedy, or sampled with the sequence's own
+        generator from the processed distribution q, kept for the rejection test)."""
+        row = align_draft_logits(row, self.slots.backend.vocab_size, self.slots.device)
+        scores, q = self._scores(s, s.prompt + s.generated + drafts, row)
+        if q is None:
+            drafts.append(int(scores.argmax(-1)))
+        else:
+            drafts.append(int(torch.multinomial(q, 1, generator=s.generator)))
+            qs.append(q)
+
+    def _verify(self, s: _Seq, rows: torch.Tensor, drafts: list[int], qs: list[torch.Tensor], now: float) -> bool:
+        """Accept a prefix of `drafts` against the target's logits `rows` [k+1, V] (after `last`
+        and each draft token), emit the accepted tokens and the target's own, roll both slots back;
+        True when `s` has finished."""
+        if s.done:  # aborted while this step ran
+            return True
+        k, base = len(drafts), s.prompt + s.generated
+        procs, ps = [], []
+        for i in range(k + 1):
+            scores, prob = self._scores(s, base + drafts[:i], rows[i])
+            procs.append(scores)
+            ps.append(prob)
+        P = torch.cat(procs)  # [k+1, V]
+        d = torch.tensor([drafts], dtype=torch.long, device=P.device)
+        if s.req.params.greedy:
+            acc, E = accept_greedy(d, P.argmax(-1)[None])
+        else:
+            acc, E = accept_sampling(d, torch.cat(ps)[None], torch.cat(qs)[None], s.generator)
+        acc = int(acc[0])
+        self.drafted += k
+        self.accepted += acc
+        if self.metrics is not None:
+            self.metrics.draft_tokens.inc(k)
+            self.metrics.draft_accepted_tokens.inc(acc)
+        if self.adaptive:
+            s.k = next_k(s.k, acc == k)
+        logp = torch.log_softmax(P, -1)
+        for i, tok in enumerate(E[0, :acc + 1].tolist()):
+            if self._record(s, tok, logp[i:i + 1], now):
+                return True  # tokens after a stop are dropped
+        # Keep what the sequence holds: the target fed `last` and the kept drafts (not the new
+        # last token); the draft never saw d_k, so it keeps at most what it fed.
+        total = len(s.prompt) + len(s.generated)
+        s.slot.truncate(total - 1)
+        s.dslot.truncate(min(s.dslot.length, total - 1))
         return False
 
     def _find_stop(self, s: _Seq) -> int | None:

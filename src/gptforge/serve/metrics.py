@@ -18,6 +18,10 @@ class ServeMetrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("gptforge_prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter("gptforge_generation_tokens", "tokens generated", registry=r)
+        self.draft_tokens = Counter("gptforge_draft_tokens", "tokens proposed by the draft model (speculative decoding)",
+                                    registry=r)
+        self.draft_accepted_tokens = Counter("gptforge_draft_accepted_tokens",
+                                             "draft tokens the target accepted (speculative decoding)", registry=r)
         self.queue_depth = Gauge("gptforge_queue_depth", "sequences waiting for a slot", registry=r)
         self.batch_size = Gauge("gptforge_batch_size", "sequences in the running batch", registry=r)
         self.ttft = Histogram("gptforge_time_to_first_token_seconds", "request arrival to its first token",

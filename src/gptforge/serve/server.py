@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptforge.errors import ConfigError
 from gptforge.generate.backend import PREFILL_CHUNK, TorchBackend
 from gptforge.generate.slots import slots_for
 from gptforge.serve.app import ServeState, create_app
@@ -35,26 +36,50 @@ class ServeOptions:
     chat_template: str | None = None
 
 
-def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions) -> ServeState:
-    """A started engine and the app state over our model (ragged batching) or any StepBackend
-    (e.g. onnxruntime: one batch-1 step per sequence)."""
-    from gptforge.generate.api import special_ids
-
-    close = None
+def _open(model_or_backend, generation, closers: list):
     if isinstance(model_or_backend, torch.nn.Module):
         backend = TorchBackend(model_or_backend, prepack=generation.fast_cpu_decode).__enter__()
-        close = backend.__exit__
-    else:
-        backend = model_or_backend
+        closers.append(backend.__exit__)
+        return backend
+    return model_or_backend
+
+
+def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, draft=None) -> ServeState:
+    """A started engine and the app state over our model (ragged batching) or any StepBackend
+    (e.g. onnxruntime: one batch-1 step per sequence). `draft` (a model or StepBackend with the
+    same tokenizer, already checked) turns on speculative decoding with
+    `generation.num_draft_tokens`; the target must be our model (ragged slots)."""
+    from gptforge.generate.api import special_ids
+    from gptforge.generate.speculative import parse_num_draft_tokens
+
+    closers: list = []
+    backend = _open(model_or_backend, generation, closers)
+    slots = slots_for(backend)
+    draft_slots = draft_max = None
+    if draft is not None:
+        if not slots.ragged:
+            raise ConfigError(f"Generation.draft={generation.draft}: the {type(backend).__name__} target has no "
+                              "ragged slots to verify draft tokens in; serve it with --backend torch or unset "
+                              "Generation.draft")
+        parse_num_draft_tokens(generation.num_draft_tokens)
+        # The target itself as its own draft shares one open backend (and its packed weights).
+        dbe = backend if draft is model_or_backend else _open(draft, generation, closers)
+        draft_slots, draft_max = slots_for(dbe), dbe.max_positions
+
+    def close(*exc):
+        for c in reversed(closers):
+            c(*exc)
+
     eos, _ = special_ids(generation, tokenizer.eos_token_id)
     limit = tokenizer.vocab_size if tokenizer.vocab_size < backend.vocab_size else None
     metrics = ServeMetrics()
-    engine = Engine(slots_for(backend), tokenizer, eos_token_ids=eos, vocab_limit=limit,
+    engine = Engine(slots, tokenizer, eos_token_ids=eos, vocab_limit=limit,
                     max_positions=backend.max_positions, max_batch_size=opts.max_batch_size,
                     max_tokens_in_flight=opts.max_tokens_in_flight, max_queue=opts.max_queue,
-                    prefill_tokens=opts.prefill_tokens, metrics=metrics).start()
+                    prefill_tokens=opts.prefill_tokens, metrics=metrics, draft_slots=draft_slots,
+                    num_draft_tokens=generation.num_draft_tokens, draft_max_positions=draft_max).start()
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
-                      ChatTemplate(opts.chat_template), api_key=opts.api_key, close=close)
+                      ChatTemplate(opts.chat_template), api_key=opts.api_key, close=close if closers else None)
 
 
 class DrainingServer:

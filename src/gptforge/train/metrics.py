@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -179,19 +180,17 @@ class RunLogger:
     """Writes log lines to stdout + `train.log` and records to `metrics.jsonl` + TensorBoard.
 
     Only the main process writes; others get a logger whose methods do nothing (`enabled=False`).
-    Progress on stderr as `gptforge.progress` decides: a bar with an ETA on a terminal, plain
-    periodic lines in a redirected log; `--quiet` also stops the echo of log lines to stdout.
+    A tqdm bar with ETA is shown on stderr when stderr is a terminal.
     """
 
     def __init__(self, run_dir: Path | None, enabled: bool = True, tensorboard: bool = True,
                  total_steps: int = 0, start_step: int = 0, progress: bool | None = None, echo: bool = True,
-                 truncate_after: int | None = None, desc: str = "train"):
-        from gptforge import progress as prog
-
+                 truncate_after: int | None = None, trackers: Callable[[], list] | None = None):
         self.enabled = enabled and run_dir is not None
-        self.echo = echo and not prog.quiet()
+        self.echo = echo
         self.run_dir = run_dir
         self._log = self._jsonl = self._tb = self._bar = None
+        self._trackers: list = []
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +198,8 @@ class RunLogger:
             truncate_metrics(run_dir / "metrics.jsonl", truncate_after)
         self._log = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        if trackers is not None:  # W&B / MLflow (train/trackers.py): opened by the process that logs
+            self._trackers = trackers()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -206,9 +207,17 @@ class RunLogger:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             except ImportError:
                 self.info("gptforge: TensorBoard events not written (pip install tensorboard)")
-        if prog.enabled(progress) and total_steps > start_step:
-            self._bar = prog.Progress(total=total_steps, initial=start_step, unit="step", desc=desc,
-                                      progress=progress, leave=False)
+        from gptforge import progress as _progress
+
+        if _progress.quiet():
+            self.echo = False  # --quiet: the log lines go to train.log only
+        if progress is None:
+            progress = _progress.mode() == "bar"  # redirected: the periodic log lines are the progress
+        if progress and total_steps > start_step and _progress.mode() != "off":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
+                             dynamic_ncols=True, leave=False)
 
     def info(self, line: str) -> None:
         """One human-readable line to stdout (above the bar) and train.log."""
@@ -231,6 +240,8 @@ class RunLogger:
         row.update({k: _jsonable(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
+        for t in self._trackers:
+            t.log(kind, step, values)
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -240,10 +251,14 @@ class RunLogger:
         """Advance the bar to `step` (redraws are rate-limited by tqdm)."""
         if self._bar is not None:
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}")
+                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._bar.update(step - self._bar.n)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Flush and close every sink; `ok=False` marks tracker runs failed (an error ended them)."""
+        trackers, self._trackers = self._trackers, []
+        for t in trackers:
+            t.close(ok)
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

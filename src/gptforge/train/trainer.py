@@ -130,8 +130,10 @@ class Trainer:
         from gptforge.config import check_train_shapes
         from gptforge.device import select_device
         from gptforge.run_lock import lock_dir
+        from gptforge.train.trackers import check_trackers
 
         check_train_shapes(cfg)
+        check_trackers(cfg.Engine.trackers)  # a missing tracker package fails before any work
         self.cfg = cfg
         e = cfg.Engine
         if e.run_mode != "step":
@@ -142,7 +144,6 @@ class Trainer:
         self.par = init_parallel(cfg, select_device(cfg.Global.device))
         self.device = self.par.device
         self.malloc_tuned = self.device.type == "cpu" and tune_cpu_allocator()
-        self.verb = verb  # names the progress lines
         self.output_dir = Path(e.save_load.output_dir).expanduser()
         made_dir = not self.output_dir.exists()
         # One writer per run directory: a second one fails here, before any work, naming the holder.
@@ -463,7 +464,7 @@ class Trainer:
         # them so each step has one record however many times the run is resumed.
         log = RunLogger(self.output_dir, enabled=self.par.is_main, total_steps=self.max_steps,
                         start_step=self.step, progress=self.progress, echo=self.echo, truncate_after=self.step,
-                        desc=self.verb)
+                        tensorboard="tensorboard" in e.trackers, trackers=self._trackers)
         seq = cfg.Data.Train.dataset.max_seq_len
         tokens_per_step = self.gbs * seq
         save_steps = e.save_load.save_steps
@@ -527,7 +528,10 @@ class Trainer:
         except NonFiniteLossError as err:
             log.record("stop", err.step, {"reason": "nonfinite", "last_checkpoint": str(err.last_checkpoint)})
             log.info(f"[stop] {err}")
-            log.close()
+            log.close(ok=False)
+            raise
+        except BaseException:  # an error or an interrupt: tracker runs are marked failed and closed
+            log.close(ok=False)
             raise
         elapsed = time.perf_counter() - t_start
         done = self.step - start_step
@@ -542,6 +546,13 @@ class Trainer:
         log.close()
         return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
                            output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
+
+    def _trackers(self) -> list:
+        """W&B / MLflow runs for `Engine.trackers` (called by the logging process only)."""
+        from gptforge.train.trackers import open_trackers
+
+        e = self.cfg.Engine
+        return open_trackers(e.trackers, self.output_dir, e.tracker_project, e.tracker_run_name, self.cfg.to_dict())
 
     def _header(self, log: RunLogger, start_step: int) -> None:
         cfg, m = self.cfg, self.model
