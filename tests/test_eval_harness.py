@@ -231,12 +231,18 @@ def test_lm_eval_split_is_lambada_openai_example_by_example(env, openai_task, ou
                                                                         rel=1e-4)
 
 
-def test_no_progress_silences_every_bar_in_harness_mode(env, run_cli, tmp_path):
+def test_no_progress_silences_every_bar_in_harness_mode(env, run_cli, tmp_path, monkeypatch):
     argv = ("eval", "--ckpt", env["dir"] / "ours", "--harness", "lambada_local", "--include-path", env["dir"] / "tasks")
+    monkeypatch.setenv("GPTFORGE_PROGRESS", "bar")  # as on a terminal
     code, _, err = run_cli(*argv, "--output", tmp_path / "a.json")
     assert code == 0, err
     for bar in ("Tokenizing inputs", "loglikelihood:", "it/s"):  # lm-eval's, ours, and lm-eval's unnamed one
         assert bar in err, bar
+    monkeypatch.setenv("GPTFORGE_PROGRESS", "plain")  # a redirected log: none of lm-eval's \r bars
+    code, _, err = run_cli(*argv, "--output", tmp_path / "p.json")
+    assert code == 0, err
+    assert "\r" not in err and "it/s" not in err and "Tokenizing inputs" not in err, err
+    monkeypatch.delenv("GPTFORGE_PROGRESS")
     code, _, err = run_cli(*argv, "--output", tmp_path / "b.json", "--no-progress")
     assert code == 0, err
     assert "it/s" not in err and "%|" not in err and "Generating test split" not in err, err

@@ -176,7 +176,28 @@ def bar(iterable: Iterable | None = None, total: int | float | None = None, desc
     from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit_scale,
-                file=sys.stderr, dynamic_ncols=True, leave=leave)
+                file=sys.stderr, leave=leave, **tqdm_width())
+
+
+def tqdm_width() -> dict:
+    """tqdm's width arguments for a bar on stderr. A terminal that reports no width (a bare
+    pseudo-terminal, some container consoles) would get an empty bar: it gets a fixed one."""
+    if _columns(sys.stderr) > 0:
+        return {"dynamic_ncols": True}
+    return {"ncols": 100, "nrows": 20}  # tqdm hides a bar at a row >= nrows - 1: 0 rows hides all
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def info(line: str, file=None) -> None:
+    """An informational line (stderr by default); `--quiet` drops it."""
+    if not quiet():
+        print(line, file=file or sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

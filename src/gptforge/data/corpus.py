@@ -146,8 +146,12 @@ def builtin_token_files(tokenizer: Tokenizer, cache: str | os.PathLike | None = 
     with lock_prefix(prefix, "preprocess", wait=True):  # a racing process prepares it once; the other waits
         if cached():
             return prefix
-        print(f"gptforge: preparing the built-in corpus (Python {v.major}.{v.minor} standard library) "
-              f"with tokenizer {tokenizer.name!r} into {out_dir}", file=sys.stderr)
-        preprocess_documents(builtin_documents(), prefix, tokenizer, append_eos=True,
+        from gptforge.progress import info, task
+
+        info(f"gptforge: preparing the built-in corpus (Python {v.major}.{v.minor} standard library) "
+             f"with tokenizer {tokenizer.name!r} into {out_dir} (once; later runs reuse it)")
+        with task("corpus: reading the standard library"):
+            docs = builtin_documents()
+        preprocess_documents(docs, prefix, tokenizer, append_eos=True,
                              source=f"builtin: Python {sys.version.split()[0]} standard library")
     return prefix

@@ -20,6 +20,7 @@ from typing import Any
 
 from gptforge.errors import UsageError
 from gptforge.fsguard import check_path_kind
+from gptforge.progress import mode as progress_mode
 
 MODEL_NAME = "gptforge"  # name registered with lm-eval's model registry
 _CLASS: type | None = None
@@ -88,7 +89,9 @@ def run_harness(model, tokenizer, tasks: list[str] | str, *, include_path: str |
                          + ("" if builtin_tasks else " (add --builtin-tasks for lm-eval's own tasks)"))
     lm = lm_class()(model=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                     vocab_size=vocab_size, amp_dtype=amp_dtype, progress=progress)
-    with contextlib.nullcontext() if progress else _no_progress_bars():
+    # lm-eval's and datasets' own bars redraw with \r: shown on a terminal only; a redirected log
+    # gets our plain lines (gptforge.progress) and none of theirs
+    with contextlib.nullcontext() if progress and progress_mode() == "bar" else _no_progress_bars():
         res = evaluator.simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
                                         num_fewshot=num_fewshot, log_samples=True,
                                         bootstrap_iters=bootstrap_iters)

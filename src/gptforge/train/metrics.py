@@ -217,7 +217,7 @@ class RunLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
-                             dynamic_ncols=True, leave=False)
+                             leave=False, **_progress.tqdm_width())
 
     def info(self, line: str) -> None:
         """One human-readable line to stdout (above the bar) and train.log."""
