@@ -200,3 +200,72 @@ def test_task_lines_only_for_work_that_takes_time(capsys):
         assert "done" not in capsys.readouterr().err  # a failure is not reported as done
     finally:
         os.environ.pop(progress.MODE_ENV, None)
+
+
+# ------------------------------------------------------------------------------ --out, run for real
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished 2-step tiny training run (out/step_2, with its tokenizer) and a text file."""
+    from gptforge.config import save_config
+    from gptforge.train import pretrain
+    from test_train_support import small_tokenizer, train_config
+
+    root = tmp_path_factory.mktemp("conventions")
+    cfg = train_config(root, "Engine.save_load.save_steps=2", "Engine.eval_freq=100", steps=2)
+    save_config(cfg, root / "run.yaml")
+    pretrain(cfg, tokenizer=small_tokenizer(), progress=False, echo=False)
+    (root / "text.txt").write_text("the quick brown fox jumps over the lazy dog. pack my box with five dozen "
+                                   "liquor jugs.\n\n" * 40)
+    return root
+
+
+def _writer_cases(root, t):
+    """verb -> (argv without the output flag, what `--out` must then hold)."""
+    step, cpu = root / "out" / "step_2", ["-o", "Global.device=cpu"]
+    return {
+        "preprocess": (["preprocess", "--input", root / "text.txt", "--tokenizer", root / "tok", "--workers", "1"],
+                       "_ids.npy"),
+        "tokenizer train": (["tokenizer", "train", "--input", root / "text.txt", "--vocab-size", "300"],
+                            "tokenizer.json"),
+        "pretrain": (["pretrain", "-c", root / "run.yaml", "-o", "Engine.max_steps=1",
+                      "-o", "Engine.save_load.save_steps=1"], "step_1"),
+        "qat": (["qat", "--ckpt", step, "-o", "Engine.max_steps=1", "-o", "Engine.save_load.save_steps=1",
+                 "-o", "Compress.Quantization.enable=True", *cpu], "step_1"),
+        "eval": (["eval", "--ckpt", step, "-o", f"Offline_Eval.eval_path={root / 'text.txt'}",
+                  "-o", "Offline_Eval.max_seq_len=32", *cpu], None),
+        "generate": (["generate", "--ckpt", step, "--prompt", "the quick", "-o", "Generation.max_dec_len=4",
+                      "--no-stream", *cpu], None),
+        "ptq": (["ptq", "--ckpt", step, "-o", "Compress.Quantization.calib_batches=1", *cpu], "model.safetensors"),
+        "analyze": (["analyze", "--mode", "ptq", "--float-ckpt", step, "--metric", "cosine", "--batches", "1",
+                     "--no-plot", *cpu], "analysis.json"),
+        "prune": (["prune", "--ckpt", step, "-o", "Engine.max_steps=1", "-o", "Engine.save_load.save_steps=1",
+                   "-o", "Compress.Prune.ratio=0.25", *cpu], "step_1"),
+        "export": (["export", "--ckpt", step, "--format", "hf"], "config.json"),
+        "convert": (["convert", "--src", step], "model.safetensors"),
+    }
+
+
+OLD_SPELLINGS = {"preprocess": "--output-prefix", "eval": "--output", "generate": "--json"}
+
+
+@pytest.mark.parametrize("verb", ["preprocess", "tokenizer train", "pretrain", "qat", "eval", "generate", "ptq",
+                                  "analyze", "prune", "export", "convert"])
+def test_every_writer_writes_where_out_says(tiny_run, run_cli, tmp_path, verb):
+    """Each writing verb run for real: its output lands under `--out` (and under its older spelling)."""
+    import json
+    from pathlib import Path
+
+    argv, made = _writer_cases(tiny_run, tmp_path)[verb]
+    for i, flag in enumerate(["--out", *([OLD_SPELLINGS[verb]] if verb in OLD_SPELLINGS else [])]):
+        out = tmp_path / (f"o{i}.json" if made is None else f"o{i}")
+        code, _, err = run_cli(*argv, "--no-progress", flag, out)
+        assert code == 0, (flag, err)
+        if made is None:  # a file
+            assert json.loads(out.read_text()), flag
+        elif verb == "preprocess":  # a file-name prefix
+            assert Path(f"{out}{made}").is_file(), flag
+        else:
+            assert (out / made).exists(), (flag, sorted(p.name for p in out.iterdir()))
+    assert not list((tiny_run / "out" / "step_2").glob("eval_results_*"))  # nothing lands in the model
