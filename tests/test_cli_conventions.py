@@ -269,3 +269,18 @@ def test_every_writer_writes_where_out_says(tiny_run, run_cli, tmp_path, verb):
         else:
             assert (out / made).exists(), (flag, sorted(p.name for p in out.iterdir()))
     assert not list((tiny_run / "out" / "step_2").glob("eval_results_*"))  # nothing lands in the model
+
+
+def test_redirected_training_prints_plain_lines_with_an_eta(tiny_run, tmp_path):
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GPTFORGE_PROGRESS", "GPTFORGE_QUIET")}
+    env.update(GPTFORGE_PROGRESS_EVERY="0", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "gptforge", "pretrain", "-c", str(tiny_run / "run.yaml"),
+                           "-o", "Engine.max_steps=4", "-o", "Engine.save_load.save_steps=-1", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = re.findall(r"^\[training\] +\d+% \d/4 step, \d:\d\d:\d\d elapsed, eta \d:\d\d:\d\d.*$", proc.stderr, re.M)
+    assert len(lines) >= 3 and "\r" not in proc.stderr and "\x1b[" not in proc.stderr, proc.stderr
+    assert re.search(r"^\[training\] done: 4 step in ", proc.stderr, re.M), proc.stderr

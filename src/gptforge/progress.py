@@ -156,7 +156,7 @@ class _Plain(_Null):
         self.postfix = s
 
     def set_postfix(self, *a, **k) -> None:
-        self.postfix = ", ".join(f"{key}={v}" for key, v in k.items())
+        self.postfix = ", ".join(f"{key}={v}" for key, v in k.items() if key != "refresh")
 
     def close(self) -> None:
         if not self._closed:

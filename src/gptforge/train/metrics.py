@@ -180,7 +180,8 @@ class RunLogger:
     """Writes log lines to stdout + `train.log` and records to `metrics.jsonl` + TensorBoard.
 
     Only the main process writes; others get a logger whose methods do nothing (`enabled=False`).
-    A tqdm bar with ETA is shown on stderr when stderr is a terminal.
+    Progress on stderr as `gptforge.progress` says: a bar with an ETA on a terminal, plain lines
+    with the ETA when redirected.
     """
 
     def __init__(self, run_dir: Path | None, enabled: bool = True, tensorboard: bool = True,
@@ -211,13 +212,10 @@ class RunLogger:
 
         if _progress.quiet():
             self.echo = False  # --quiet: the log lines go to train.log only
-        if progress is None:
-            progress = _progress.mode() == "bar"  # redirected: the periodic log lines are the progress
-        if progress and total_steps > start_step and _progress.mode() != "off":
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr,
-                             leave=False, **_progress.tqdm_width())
+        # A bar on a terminal; redirected, a plain line with the ETA every GPTFORGE_PROGRESS_EVERY
+        # seconds (the log lines come every logging_freq steps, however long that takes).
+        if progress is not False and total_steps > start_step and _progress.mode() != "off":
+            self._bar = _progress.bar(total=total_steps, initial=start_step, unit="step", desc="training")
 
     def info(self, line: str) -> None:
         """One human-readable line to stdout (above the bar) and train.log."""
