@@ -317,8 +317,10 @@ def test_single_process_parallel_seam():
         setup_parallel(model, cfg, torch.device("cpu"))
 
 
-def test_run_logger_writes_log_jsonl_tensorboard_and_bar(tmp_path, capsys):
+def test_run_logger_writes_log_jsonl_tensorboard_and_bar(tmp_path, capsys, monkeypatch):
     import json
+
+    monkeypatch.setenv("GPTFORGE_PROGRESS", "bar")  # as on a terminal (redirected: plain lines)
 
     log = metrics.RunLogger(tmp_path, total_steps=3, progress=True)
     log.info("[train] hello")
