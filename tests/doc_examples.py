@@ -84,7 +84,6 @@ PENDING = {
     "docs/distributed.md",
     "docs/eval.md",
     "docs/export.md",
-    "docs/infer.md",
     "docs/prune.md",
     "docs/ptq.md",
     "docs/qat.md",
