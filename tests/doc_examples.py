@@ -82,7 +82,6 @@ PENDING = {
     "docs/analyze.md",
     "docs/demo.md",
     "docs/distributed.md",
-    "docs/eval.md",
     "docs/export.md",
     "docs/prune.md",
     "docs/ptq.md",
