@@ -84,8 +84,6 @@ PENDING = {
     "docs/distributed.md",
     "docs/export.md",
     "docs/prune.md",
-    "docs/ptq.md",
-    "docs/qat.md",
     "docs/quantize.md",
 }
 
