@@ -78,14 +78,7 @@ def examples(path: Path) -> list[Example]:
 # run"): reported as skipped, with this reason, until each page is made to run as written. A page
 # leaves this list when its examples pass (remove it here; nothing else changes).
 PENDING_REASON = "examples not yet runnable as written (placeholders or files the page does not make)"
-PENDING = {
-    "docs/analyze.md",
-    "docs/demo.md",
-    "docs/distributed.md",
-    "docs/export.md",
-    "docs/prune.md",
-    "docs/quantize.md",
-}
+PENDING: set[str] = set()  # every page runs as written
 
 
 # Lines that look like commands a reader would type; an untagged fence holding one is a doc bug

@@ -313,6 +313,24 @@ def test_wikitext_bits_per_byte_of_a_uniform_model(setup, tmp_path):
     assert res["bits_per_byte"] == pytest.approx((n - 1) * math.log2(50304) / res["scored_bytes"], rel=1e-6)
 
 
+def test_wikitext_detokenize_false_scores_the_text_unchanged(setup, tmp_path):
+    """Code keeps its indentation: with detokenize=False the scored bytes are the file's own."""
+    _, tok, _, _, _, _ = setup
+    model, _ = tiny_model("Model.vocab_size=50304", "Model.hidden_size=32")
+    with torch.no_grad():
+        model.wte.weight.zero_()
+    code = "def f(x):\n    if x , y :\n        return ( x )\n" * 4
+    path = tmp_path / "code.txt"
+    path.write_text(code)
+    raw = evaluate_wikitext(model, tok, path, seq_len=32, stride=16, detokenize=False)["metrics"]
+    det = evaluate_wikitext(model, tok, path, seq_len=32, stride=16)["metrics"]
+    first = tok.decode(tok.encode(code)[:1])
+    assert raw["scored_bytes"] == len(code.encode()) - len(first.encode())
+    assert det["scored_bytes"] < raw["scored_bytes"]  # the WikiText rules rewrote the code
+    n = len(tok.encode(code))
+    assert raw["bits_per_byte"] == pytest.approx((n - 1) * math.log2(50304) / raw["scored_bytes"], rel=1e-6)
+
+
 def test_window_plan_counts_reference_windows():
     # max(ceil(max(N-1-stride, 0)/stride) + 1, 1) windows at multiples of stride.
     assert window_plan(101, 50, 50) == [(0, 0), (50, 0)]

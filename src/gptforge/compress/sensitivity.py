@@ -96,13 +96,13 @@ def lambada_metric(tokenizer, path, *, batch_size: int = 8, seq_len: int | None 
 
 
 def wikitext_metric(tokenizer, path, *, seq_len: int, stride: int | None = None, batch_size: int = 8,
-                    vocab_size: int | None = None, amp_dtype=None) -> Metric:
+                    vocab_size: int | None = None, amp_dtype=None, detokenize: bool = True) -> Metric:
     """WikiText perplexity on the user's text file (`gptforge eval`'s code)."""
     from gptforge.evaluate.wikitext import evaluate_wikitext
 
     def fn(model):
         res = evaluate_wikitext(model, tokenizer, path, seq_len, stride, batch_size, vocab_size=vocab_size,
-                                amp_dtype=amp_dtype)
+                                amp_dtype=amp_dtype, detokenize=detokenize)
         return res["metrics"]["ppl"]
 
     return Metric("ppl", f"WikiText perplexity ({path})", False, fn)

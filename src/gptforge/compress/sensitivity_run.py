@@ -150,8 +150,9 @@ def _build_metric(name: str, cfg: Config, tokenizer, model, fmodel, batches_n, d
             return sens.lambada_metric(tokenizer, oe.eval_path, batch_size=oe.batch_size, seq_len=oe.max_seq_len,
                                        amp_dtype=amp), data
         data["overlapping_eval"] = oe.overlapping_eval
+        data["detokenize"] = oe.detokenize
         return sens.wikitext_metric(tokenizer, oe.eval_path, seq_len=oe.max_seq_len, stride=oe.overlapping_eval,
-                                    batch_size=oe.batch_size, amp_dtype=amp), data
+                                    batch_size=oe.batch_size, amp_dtype=amp, detokenize=oe.detokenize), data
     if name == "loss":
         n = batches_n or cfg.Engine.eval_iters
         batches = split_batches(cfg, tokenizer, "Eval", n)

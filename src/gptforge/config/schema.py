@@ -268,6 +268,7 @@ class OfflineEvalConfig:
     cloze_eval: bool = False  # True: LAMBADA accuracy; False: perplexity
     lambada_split: str = "reference"  # LAMBADA context/target rule: reference (text.split(), the reference's) | lm_eval (lambada_openai's text.split(' '), example by example)
     overlapping_eval: int | None = 32  # perplexity window stride (blank = max_seq_len)
+    detokenize: bool = True  # perplexity: undo WikiText's tokenization first (False: score the file's text as it is, e.g. code)
     batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
     max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context
     logging_freq: int = 10  # only used by `gptforge eval --emulate-reference-aggregation`

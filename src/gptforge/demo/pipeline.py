@@ -406,7 +406,7 @@ def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict
         for row, path in models.items():
             common = ["-o", f"Offline_Eval.max_seq_len={sh.seq}", "-o", "Offline_Eval.batch_size=16", "--no-progress"]
             d.cli("eval", "--ckpt", path, "-o", f"Offline_Eval.eval_path={p.heldout}", "-o", "Offline_Eval.cloze_eval=False",
-                  "-o", f"Offline_Eval.overlapping_eval={sh.seq // 2}", *common, "--output", p.evals / f"{row}_ppl.json")
+                  "-o", f"Offline_Eval.overlapping_eval={sh.seq // 2}", "-o", "Offline_Eval.detokenize=False", *common, "--output", p.evals / f"{row}_ppl.json")
             d.cli("eval", "--ckpt", path, "-o", f"Offline_Eval.eval_path={p.cloze}", "-o", "Offline_Eval.cloze_eval=True",
                   *common, "--output", p.evals / f"{row}_cloze.json")
             ppl = json.loads((p.evals / f"{row}_ppl.json").read_text())["metrics"]

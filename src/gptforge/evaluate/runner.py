@@ -70,7 +70,7 @@ def run_eval(cfg, model: torch.nn.Module, tokenizer, *, output: str | os.PathLik
                                    split_rule=oe.lambada_split, **common)
         else:
             res = evaluate_wikitext(model, tokenizer, oe.eval_path, oe.max_seq_len, oe.overlapping_eval,
-                                    oe.batch_size, **common)
+                                    oe.batch_size, detokenize=oe.detokenize, **common)
     finally:
         model.train(was_training)
     res["seconds"] = time.perf_counter() - t0

@@ -78,10 +78,13 @@ def window_plan(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int
 def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_len: int,
                       stride: int | None = None, batch_size: int = 8, *, vocab_size: int | None = None,
                       amp_dtype: torch.dtype | None = None, progress: bool = False,
-                      logging_freq: int = 10, emulate_reference_aggregation: bool = False) -> dict:
+                      logging_freq: int = 10, emulate_reference_aggregation: bool = False,
+                      detokenize: bool = True) -> dict:
     """Perplexity metrics for `model` on the WikiText-format file at `path`.
 
     `stride` is `Offline_Eval.overlapping_eval` (default: `seq_len`, i.e. disjoint windows).
+    `detokenize=False` scores the file's text unchanged: the WikiText rules would rewrite other
+    text (they drop a space after every newline, which changes the indentation of code).
     """
     raw = read_text(path)
     L = check_window(model, seq_len)
@@ -92,7 +95,7 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
     num_original_tokens = len(raw.strip().split(" "))
     if num_original_tokens < 2:
         raise DataError(f"{path}: needs at least two words to measure perplexity")
-    text = wikitext_detokenize(raw)
+    text = wikitext_detokenize(raw) if detokenize else raw
     tokens = tokenizer.encode(text)
     N = len(tokens)
     if N < 2:
@@ -122,12 +125,13 @@ def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_l
         "path": str(path),
         "metrics": m,
         "metric_notes": {
-            "avg_loss": "sum of token NLL / (N - 1), N = tokens of the detokenized text",
+            "avg_loss": "sum of token NLL / (N - 1), N = tokens of the " + ("detokenized text" if detokenize else "file's text"),
             "ppl": "exp(min(20, avg_loss))",
             "token_ratio": "(N - 1) / (original whitespace-split words - 1)",
             "adjusted_ppl": "exp(min(20, avg_loss * token_ratio)): word-level-normalised perplexity",
-            "bits_per_byte": "sum of token NLL / ln 2 / UTF-8 bytes of the scored text (the detokenized text "
-                             "after its first token): tokenizer-independent",
+            "bits_per_byte": "sum of token NLL / ln 2 / UTF-8 bytes of the scored text (the "
+                             + ("detokenized" if detokenize else "file's") + " text after its first token): "
+                             "tokenizer-independent",
         },
         "final_line": _final_line(path, m),
         "windows": [{"index": w, "start": plan[w][0], "scored": x.count, "nll": -x.logprob}
