@@ -66,11 +66,6 @@ class _Tee(io.TextIOBase):
         self.log.flush()
 
 
-def _mmss(seconds: float) -> str:
-    m, sec = divmod(int(round(seconds)), 60)
-    return f"{m}:{sec:02d}"
-
-
 def _loss_summary(o: dict) -> str:
     steps = f"{o['steps']} steps, " if o.get("steps") else ""
     return f"{steps}loss {o['train'][0][1]:.3f} -> {o['train'][-1][1]:.3f}"
@@ -101,6 +96,7 @@ class Demo:
         self.records: dict[str, StageRecord] = {}
         self.refits: dict[str, int] = {}  # fine-tune steps re-fitted to the budget left, per stage
         self._current: StageRecord | None = None
+        self._stage_t0: float | None = None  # when the running stage started (perf_counter)
         self._open_state(force)
 
     # ------------------------------------------------------------------ state
@@ -146,11 +142,15 @@ class Demo:
         """Seconds the finished stages took (over every run of this demo directory)."""
         return sum(r.seconds for r in self.records.values() if r.done)
 
+    def running_elapsed(self) -> float:
+        """`elapsed()` plus the time the running stage has taken so far."""
+        t0 = self._stage_t0
+        return self.elapsed() + (time.perf_counter() - t0 if t0 is not None else 0.0)
+
     def _clock(self) -> str:
-        budget, el = 60.0 * self.s.minutes, self.elapsed()
-        if el <= budget:
-            return f"{_mmss(el)} of {_mmss(budget)}, about {_mmss(budget - el)} left"
-        return f"{_mmss(el)}, over the {_mmss(budget)} budget by {_mmss(el - budget)}"
+        from gptforge.demo.overall import budget_text
+
+        return budget_text(self.elapsed(), 60.0 * self.s.minutes)
 
     def say(self, line: str) -> None:
         if self.echo:
@@ -170,8 +170,11 @@ class Demo:
         rec = StageRecord(name, title)
         self.records[name] = rec
         self._current = rec
-        t0 = time.perf_counter()
-        rec.outputs = fn() or {}
+        t0 = self._stage_t0 = time.perf_counter()
+        try:
+            rec.outputs = fn() or {}
+        finally:
+            self._stage_t0 = None
         rec.seconds = time.perf_counter() - t0
         rec.done = True
         self._current = None
@@ -250,8 +253,21 @@ def _metrics(run_dir: Path) -> dict:
 
 def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict:
     """Run (or continue) the demo in `settings.out`; returns the report's data."""
+    from gptforge.demo.overall import OverallBar, wanted
+
     d = Demo(settings, force=force, echo=echo)
-    s, p = settings, d.p
+    if not wanted(echo, d.console):
+        return _run_stages(d)
+    with OverallBar(d.running_elapsed, 60.0 * settings.minutes, d.console) as bar:
+        d.console = bar.console
+        try:
+            return _run_stages(d)
+        finally:
+            d.console = bar.real
+
+
+def _run_stages(d: Demo) -> dict:
+    s, p = d.s, d.p
     t_start = time.perf_counter()
     N = STAGES
     d.say(f"gptforge demo: {'quick, ' if s.quick else ''}budget {s.minutes:g} min, output {p.out}")
