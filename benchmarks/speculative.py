@@ -8,7 +8,7 @@ tokens learned from it):
   2. derive drafts: INT8 (`gptforge ptq` + `quantize --convert`: self-speculation), pruned
      (`gptforge prune`, 50 % of heads and FFN, a short fine-tune), and layers dropped (the first
      and last blocks kept) + a short distillation from the target (`Engine.distill`), and that
-     distilled draft made INT8 as well;
+     distilled draft made INT8 as well (its blocks; then its LM head too);
   3. greedy batch 1, prompts of 64 tokens from the corpus, 64 new tokens (EOS suppressed):
      tokens/s of plain greedy and of speculative decoding with each draft (K fixed and auto),
      acceptance rates; every output must equal plain greedy's;
@@ -18,8 +18,9 @@ tokens learned from it):
   5. the target's fp32 weight-streaming limit (weight bytes / bandwidth of a 256 MB fp32 GEMV,
      as benchmarks/decode_speed.py) and each result as a fraction of it.
 
-Timings are the best of `--repeats` interleaved rounds (the machine is shared: the load
-average is printed).
+Timings: `--repeats` interleaved rounds (every decoder once per round); each figure is the
+median round with the rounds' min-max beside it (the machine may be shared: the load average is
+printed). A ratio whose spreads overlap is not a measured difference.
 
     .venv/bin/python benchmarks/speculative.py [--work runs/bench_spec] [--target-steps 80]
 """
@@ -154,8 +155,9 @@ def prompts_from_corpus(tok, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def best(times: list[float]) -> float:
-    return min(times)
+def rate(tokens: int, times: list[float]) -> tuple[float, float, float]:
+    """(median, slowest, fastest) tokens/s over the rounds."""
+    return tokens / statistics.median(times), tokens / max(times), tokens / min(times)
 
 
 def main(argv=None) -> int:
@@ -211,6 +213,13 @@ def main(argv=None) -> int:
             "--no-progress")
         _ok("quantize", "--ckpt", work / "distilled_ptq", "--out", dd_int8, "--convert", "--no-check")
     drafts["dropped+distilled int8"] = dd_int8
+    # ... with the tied embedding / LM head int8 too: in a 2-layer draft the 8192 x 384 head is
+    # most of the weights a draft step reads.
+    dd_int8e = work / "distilled_int8_head"
+    if not (dd_int8e / "model.safetensors").is_file():
+        _ok("quantize", "--ckpt", work / "distilled_ptq", "--out", dd_int8e, "--convert", "--no-check",
+            "--embedding", "int8")
+    drafts["dropped+distilled int8+head"] = dd_int8e
     prep_s = time.perf_counter() - t_start
 
     # 3. decode speed
@@ -265,7 +274,7 @@ def main(argv=None) -> int:
             if how is not None:
                 accept[case] = acc_n / max(acc_d, 1)
     toks = new * len(prompts)
-    rows = {c: toks / best(t) for c, t in times.items()}
+    rows = {c: rate(toks, t) for c, t in times.items()}
 
     # 4. transformers
     hf = {}
@@ -304,23 +313,35 @@ def main(argv=None) -> int:
                     if not torch.equal(out, want[i]):
                         print(f"WARNING {case}: prompt {i} differs from gptforge greedy", file=sys.stderr)
                 hf_times[case].append(total)
-        hf = {c: toks / best(t) for c, t in hf_times.items()}
+        hf = {c: rate(toks, t) for c, t in hf_times.items()}
 
     # 5. report
-    base_tps = rows["plain greedy"]
     print(f"machine: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"target: {n_params / 1e6:.1f}M params ({args.target_steps} steps), drafts: "
           + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M" for n, m in dmodels.items()))
     print(f"preparation (training, drafts): {prep_s:.0f}s; bandwidth {bw / 1e9:.1f} GB/s -> fp32 limit "
           f"{limit_tps:.1f} tokens/s; {len(prompts)} prompts x 64 tokens -> {new} new, batch 1, greedy\n")
-    print("| decoder | acceptance | tokens/s | vs plain greedy | vs fp32 limit |")
+    base, base_lo, base_hi = rows["plain greedy"]
+
+    def line(name, acc, r):
+        med, lo, hi = r
+        apart = "" if name.endswith("plain greedy") else (" (spreads apart)" if lo > base_hi or hi < base_lo
+                                                          else " (spreads overlap)")
+        print(f"| {name} | {acc} | {med:.1f} ({lo:.0f}-{hi:.0f}) | {med / base:.2f}x{apart} | {med / limit_tps:.0%} |")
+
+    print("| decoder | acceptance | tokens/s, median (min-max) | vs plain greedy | vs fp32 limit |")
     print("|---|---|---|---|---|")
-    for c, tps in rows.items():
-        acc = f"{accept[c]:.0%}" if c in accept else "-"
-        print(f"| gptforge {c} | {acc} | {tps:.1f} | {tps / base_tps:.2f}x | {tps / limit_tps:.0%} |")
-    for c, tps in hf.items():
-        print(f"| {c} | - | {tps:.1f} | {tps / base_tps:.2f}x | {tps / limit_tps:.0%} |")
+    for c, r in rows.items():
+        line(f"gptforge {c}", f"{accept[c]:.0%}" if c in accept else "-", r)
+    for c, r in hf.items():
+        line(c, "-", r)
+    pair = "transformers assisted, dropped+distilled"
+    if pair in hf:
+        ours = rows.get(f"dropped+distilled, K={ks[-1]}")
+        if ours is not None:
+            print(f"\nsame pair (target + dropped+distilled, K={ks[-1]}): gptforge {ours[0]:.1f} vs transformers "
+                  f"assisted {hf[pair][0]:.1f} tokens/s: {ours[0] / hf[pair][0]:.2f}x")
     (work / "speculative.json").write_text(json.dumps({"ours": rows, "acceptance": accept, "transformers": hf,
                                                        "limit_tps": limit_tps, "load": os.getloadavg()}, indent=2))
     return 0
