@@ -123,13 +123,13 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str) -> 
 
     from gptforge import cli
     from gptforge.data.tokenizer import load_tokenizer
-    from gptforge.demo.plan import Paths, Settings, Shape, calibrate, write_configs
+    from gptforge.demo.plan import PRETRAIN_SHARE, Paths, Settings, Shape, calibrate, write_configs
     from gptforge.model_io import load_model
 
     d = out / pt.name
     d.mkdir(parents=True, exist_ok=True)
     src = data / f"v{pt.vocab}"
-    s = Settings(out=str(d), minutes=seconds / 60 / 0.45, vocab_size=pt.vocab, device=device,
+    s = Settings(out=str(d), minutes=seconds / 60 / PRETRAIN_SHARE, vocab_size=pt.vocab, device=device,
                  shape=Shape(pt.hidden, pt.layers, pt.heads, pt.ffn, pt.seq, pt.batch), max_lr=pt.max_lr,
                  min_lr=pt.max_lr / 10)
     p = Paths(d)
@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--point")
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--names", nargs="*")
-    ap.add_argument("--seconds", type=float, default=0.45 * 12 * 60, help="pretraining seconds (demo: 45%% of 12 min)")
+    ap.add_argument("--seconds", type=float, default=324.0,
+                    help="pretraining seconds (the sweeps of 2026-11-24 used 324: 45%% of the demo's 12 min)")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--cores-per-point", type=int, default=2)
     ap.add_argument("--busy", action="store_true")
