@@ -3,13 +3,18 @@ reports no width, and informational lines under --quiet."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
+
+import pytest
 
 from gptforge import progress
 
@@ -33,9 +38,13 @@ def _read_all(fd: int, proc: subprocess.Popen) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def test_a_terminal_without_a_width_still_gets_a_bar():
-    """A bare pseudo-terminal reports 0 columns; tqdm's dynamic width would draw nothing there."""
+@pytest.mark.parametrize("cols", [0, 120])
+def test_a_terminal_without_a_size_still_gets_a_bar(cols):
+    """A bare pseudo-terminal reports 0 columns and 0 rows (`script` sets the columns only):
+    tqdm's dynamic width would draw nothing there, and 0 rows hide the bar."""
     leader, follower = pty.openpty()  # no TIOCSWINSZ: 0 x 0
+    if cols:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, cols, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in (progress.MODE_ENV, progress.QUIET_ENV, "COLUMNS")}
     env["PYTHONPATH"] = str(ROOT / "src")
     code = ("import time; from gptforge import progress\n"

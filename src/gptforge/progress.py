@@ -180,18 +180,23 @@ def bar(iterable: Iterable | None = None, total: int | float | None = None, desc
 
 
 def tqdm_width() -> dict:
-    """tqdm's width arguments for a bar on stderr. A terminal that reports no width (a bare
-    pseudo-terminal, some container consoles) would get an empty bar: it gets a fixed one."""
-    if _columns(sys.stderr) > 0:
+    """tqdm's size arguments for a bar on stderr. A terminal that reports no width or no height
+    (a bare pseudo-terminal, some container consoles) would get an empty or a hidden bar: it gets
+    a fixed size in what it does not report."""
+    cols, rows = _size(sys.stderr)
+    if cols > 0 and rows > 0:
         return {"dynamic_ncols": True}
-    return {"ncols": 100, "nrows": 20}  # tqdm hides a bar at a row >= nrows - 1: 0 rows hides all
+    # Fixed: tqdm's dynamic size would re-read the 0 and hide the bar (it hides a bar at a row
+    # >= rows - 1, and takes 0 rows as -1).
+    return {"ncols": cols if cols > 0 else 100, "nrows": 20}
 
 
-def _columns(stream) -> int:
+def _size(stream) -> tuple[int, int]:
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        size = os.get_terminal_size(stream.fileno())
+        return size.columns, size.lines
     except (AttributeError, ValueError, OSError):
-        return 0
+        return 0, 0
 
 
 def info(line: str, file=None) -> None:

@@ -60,8 +60,10 @@ class OverallBar:
         self.elapsed, self.budget = elapsed, float(budget_s)
         self.real = console or sys.stdout
         self.every = every
-        self.bar = tqdm(total=int(self.budget), desc="demo", unit="s", file=sys.stderr, leave=False,
-                        bar_format="{desc} {percentage:3.0f}%|{bar}| {postfix}", **progress.tqdm_width())
+        # The time text goes in `desc`: a custom bar_format prints it as it is ({postfix} would
+        # add a leading ", ").
+        self.bar = tqdm(total=int(self.budget), desc="", unit="s", file=sys.stderr, leave=False,
+                        bar_format="demo {percentage:3.0f}%|{bar}| {desc}", **progress.tqdm_width())
         self.console = _LinesAboveBar(self.real, lambda line: tqdm.write(line, file=self.real))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gptforge-demo-bar", daemon=True)
@@ -69,7 +71,7 @@ class OverallBar:
     def refresh(self) -> None:
         el = self.elapsed()
         self.bar.n = int(min(el, self.budget))
-        self.bar.set_postfix_str(budget_text(el, self.budget), refresh=False)
+        self.bar.set_description_str(budget_text(el, self.budget), refresh=False)
         self.bar.refresh()
 
     def _run(self) -> None:
