@@ -206,3 +206,10 @@ def test_cloze_passages_end_on_a_word_seen_in_their_context():
         words = p.split()
         assert re.fullmatch(r"[A-Za-z]{4,}", words[-1]) and words[-1] in words[:-1]
         assert len(words) >= 7 and doc.find(p) >= 0
+
+
+def test_pretrained_steps_counts_a_stage_stopped_by_max_time():
+    from gptforge.demo.plan import pretrained_steps
+
+    assert pretrained_steps({"train": [(10, 5.0), (1230, 3.1)]}, 4780) == 1230
+    assert pretrained_steps({}, 4780) == 4780

@@ -301,3 +301,38 @@ def test_eval_iterator_is_persistent(tmp_path):
         expect = [t.model(**{"input_ids": b["tokens"], "labels": b["labels"]}).loss.item()
                   for b in (collate([ds[i] for i in range(k, k + 4)]) for k in (0, 4))]
     assert [first, second] == pytest.approx(expect, rel=1e-6)
+
+
+def test_max_time_saves_and_stops_then_resume_continues(tmp_path, monkeypatch):
+    """Engine.max_time: training stops at the first step past the limit with a checkpoint of that
+    step and a `stop` record; a resumed run goes on to max_steps from there."""
+    import gptforge.train.trainer as T
+
+    clock = {"t": 0.0}
+
+    def fake_perf_counter():
+        clock["t"] += 0.1  # every reading of the clock advances it: a deterministic slow machine
+        return clock["t"]
+
+    monkeypatch.setattr(T.time, "perf_counter", fake_perf_counter)
+    cfg = train_config(tmp_path, "Engine.save_load.save_steps=-1", "Engine.max_time=2", steps=40)
+    r = _train(cfg)
+    assert 0 < r.step < 40
+    names = [p.name for _, p in ckpt.list_checkpoints(tmp_path / "out")]
+    assert names == [f"step_{r.step}"]  # saved at the stop although save_steps=-1
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    stop = [x for x in rows if x["kind"] == "stop"]
+    assert len(stop) == 1 and stop[0]["reason"] == "max_time" and stop[0]["step"] == r.step
+    assert "[stop] Engine.max_time: 2 s" in (tmp_path / "out" / "train.log").read_text()
+
+    monkeypatch.undo()
+    cfg2 = train_config(tmp_path, "Engine.save_load.save_steps=-1", steps=40)
+    r2 = _train(cfg2, resume="auto")
+    assert r2.step == 40 and len(r2.losses) == 40 - r.step
+
+
+def test_max_time_must_be_positive(tmp_path):
+    from gptforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"Engine.max_time: 0.0 must be a number of seconds > 0"):
+        train_config(tmp_path, "Engine.max_time=0", steps=4)

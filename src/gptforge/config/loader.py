@@ -654,6 +654,8 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
     bad = [t for t in e.trackers if t not in ("tensorboard", "wandb", "mlflow")]
     if bad:
         raise ConfigError(f"Engine.trackers: unknown tracker {bad[0]!r}; choose from tensorboard, wandb, mlflow")
+    if e.max_time is not None and not e.max_time > 0:
+        raise ConfigError(f"Engine.max_time: {e.max_time} must be a number of seconds > 0 (or unset)")
     if e.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"Engine.on_nonfinite: must be stop or skip, got {e.on_nonfinite!r}")
     mp = e.mix_precision

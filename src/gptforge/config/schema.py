@@ -192,6 +192,7 @@ class DistillConfig:
 class EngineConfig:
     run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
     max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
+    max_time: float | None = None  # seconds of training in this run: then save a checkpoint and stop (--resume continues)
     num_train_epochs: int = 1  # run_mode epoch: passes over the training set (gptforge finetune)
     accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
     logging_freq: int = 1

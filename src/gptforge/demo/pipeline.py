@@ -30,6 +30,8 @@ from gptforge.demo.plan import (
     Settings,
     Steps,
     calibrate,
+    pretrain_seconds,
+    pretrained_steps,
     refit_finetune,
     write_configs,
 )
@@ -307,7 +309,10 @@ def _run_stages(d: Demo) -> dict:
     cfg_pre, cfg_qat, cfg_prune = (str(p.config(n)) for n in ("pretrain", "qat", "prune"))
 
     def pretrain():
-        d.cli("pretrain", "-c", cfg_pre, "--resume", "auto", "--no-progress", show=_train_lines)
+        # A machine that got busier after the step was timed would overrun the budget: the
+        # trainer stops (with a checkpoint) when the pretraining share of the budget is spent.
+        d.cli("pretrain", "-c", cfg_pre, "--resume", "auto", "-o", f"Engine.max_time={pretrain_seconds(s):.0f}",
+              "--no-progress", show=_train_lines)
         return {"ckpt": _latest(p.float), **_metrics(p.float)}
 
     fl = d.stage(4, N, "pretrain", f"pretrain {steps.pretrain} steps", pretrain,
@@ -333,7 +338,8 @@ def _run_stages(d: Demo) -> dict:
         stage continues with the same count)."""
         if stage not in d.refits:
             done = {k for k, r in d.records.items() if r.done}
-            per_step = d.records["pretrain"].seconds / max(steps.pretrain, 1) if "pretrain" in d.records else 0.0
+            per_step = (d.records["pretrain"].seconds / max(pretrained_steps(d.out("pretrain"), steps.pretrain), 1)
+                        if "pretrain" in d.records else 0.0)
             if per_step <= 0 or not d.records["pretrain"].seconds:  # pretrained by an earlier version: keep the plan
                 d.refits[stage] = steps.finetune
             else:

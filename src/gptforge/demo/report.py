@@ -263,7 +263,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
-        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {steps['pretrain']} steps (a training step "
+        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {_pretrained(d, steps)} (a training step "
         f"measured at {steps['step_seconds'] * 1e3:.0f} ms); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
@@ -334,3 +334,13 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     page = p.out / "report.html"
     page.write_text(doc.html(), encoding="utf-8")
     return {"md": md, "html": page, **plots}
+
+
+def _pretrained(d, steps: dict) -> str:
+    from gptforge.demo.plan import pretrained_steps
+
+    ran = pretrained_steps(d.out("pretrain"), steps["pretrain"])
+    if ran >= steps["pretrain"]:
+        return f"{ran} steps"
+    return (f"{ran} of {steps['pretrain']} planned steps (stopped when its share of the budget was spent: "
+            "the machine got slower after the step was timed)")

@@ -519,12 +519,19 @@ class Trainer:
                     log.record("eval", self.step, {"loss": eval_loss, "ppl": math.exp(min(eval_loss, 50.0)),
                                                    "eval_time": cost * e.eval_iters})
                     t_window += time.perf_counter() - t0  # eval time is not train time
-                if (save_steps and self.step % save_steps == 0) or self.step == self.max_steps:
+                out_of_time = self._out_of_time(t_start)
+                if (save_steps and self.step % save_steps == 0) or self.step == self.max_steps or out_of_time:
                     t0 = time.perf_counter()
                     path = self.save(stats["loss"])
                     if path is not None:
                         log.info(f"[save] step {self.step}: {path}")
                     t_window += time.perf_counter() - t0
+                if out_of_time and self.step < self.max_steps:
+                    log.record("stop", self.step, {"reason": "max_time", "max_time": e.max_time,
+                                                   "last_checkpoint": str(self.last_checkpoint)})
+                    log.info(f"[stop] Engine.max_time: {e.max_time:g} s of training reached at step {self.step} of "
+                             f"{self.max_steps}; checkpoint {self.last_checkpoint} (--resume auto continues)")
+                    break
         except NonFiniteLossError as err:
             log.record("stop", err.step, {"reason": "nonfinite", "last_checkpoint": str(err.last_checkpoint)})
             log.info(f"[stop] {err}")
@@ -546,6 +553,20 @@ class Trainer:
         log.close()
         return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
                            output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
+
+    def _out_of_time(self, t_start: float) -> bool:
+        """`Engine.max_time` has passed (every rank takes rank 0's answer, so all stop together)."""
+        limit = self.cfg.Engine.max_time
+        if not limit:
+            return False
+        over = time.perf_counter() - t_start >= limit
+        if self.par.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if over else 0.0], device=self.device)
+            dist.broadcast(flag, 0)
+            over = bool(flag.item())
+        return over
 
     def _trackers(self) -> list:
         """W&B / MLflow runs for `Engine.trackers` (called by the logging process only)."""
