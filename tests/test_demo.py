@@ -211,5 +211,7 @@ def test_cloze_passages_end_on_a_word_seen_in_their_context():
 def test_pretrained_steps_counts_a_stage_stopped_by_max_time():
     from gptforge.demo.plan import pretrained_steps
 
+    # the checkpoint's step, not the last logged one (the log is written every few steps)
+    assert pretrained_steps({"ckpt": "/x/float/step_1196", "train": [(10, 5.0), (1136, 3.9)]}, 1420) == 1196
     assert pretrained_steps({"train": [(10, 5.0), (1230, 3.1)]}, 4780) == 1230
     assert pretrained_steps({}, 4780) == 4780

@@ -136,7 +136,11 @@ def pretrain_seconds(s: Settings) -> float:
 
 
 def pretrained_steps(out: dict, planned: int) -> int:
-    """Steps the pretraining stage ran: the plan's, or fewer when `Engine.max_time` stopped it."""
+    """Steps the pretraining stage ran: the plan's, or fewer when `Engine.max_time` stopped it
+    (read off its last checkpoint, `step_N`: the training log is written every few steps)."""
+    name = Path(str(out.get("ckpt") or "")).name
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
     train = out.get("train") or []
     return int(train[-1][0]) if train else planned
 
