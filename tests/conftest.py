@@ -14,6 +14,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TOOL_DIRS = {".pytest_cache", ".ruff_cache", "__pycache__"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_the_checkout():
+    """No test may leave files in the repository's top directory (a verb that writes to the
+    working directory by default must run from a tmp_path there)."""
+    before = set(os.listdir(_ROOT))
+    yield
+    left = sorted(set(os.listdir(_ROOT)) - before - _TOOL_DIRS)
+    assert not left, f"tests left these in {_ROOT}: {left}"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

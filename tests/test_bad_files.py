@@ -154,8 +154,9 @@ def test_damaged_file_is_one_line_naming_it(world, tmp_path, run_cli, rel, mode)
     assert target.name in lines[0], lines[0]
 
 
-def test_world_is_sound(world, tmp_path, run_cli):
+def test_world_is_sound(world, tmp_path, run_cli, monkeypatch):
     """The undamaged files all work, so each failure above is the damage's doing."""
+    monkeypatch.chdir(tmp_path)  # `eval` writes its results in the working directory by default
     w = tmp_path / "w"
     _copy_world(world, w)
     seen = set()
