@@ -65,7 +65,7 @@ def worker(kind: str, steps: int, seq: int) -> dict:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         from gptforge.train.optim import build_optimizer, clip_grad_norm_
-        from gptforge.train.trainer import tune_cpu_allocator
+        from gptforge.train.process import tune_cpu_allocator
 
         tune_cpu_allocator()  # the same process setting gptforge's trainer makes
         torch.manual_seed(cfg.Global.seed)

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from gptforge.config import load_config
-from gptforge.config.loader import check_train_shapes, config_to_yaml
+from gptforge.config.loader import config_to_yaml
+from gptforge.config.resolve import check_train_shapes
 from gptforge.errors import ConfigError
 
 SHAPE = {"vocab_size": 50304, "hidden_size": 64, "num_layers": 4, "num_attention_heads": 4,

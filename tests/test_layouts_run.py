@@ -391,7 +391,7 @@ DEGREES = {"dp": (2, 1, 1), "sharding": (1, 2, 1), "mp": (1, 1, 2), "auto_shardi
 def test_distributed_recipes_resolve(tmp_path, name):
     """Fast: each multi-process recipe with its size overrides fits 2 ranks as (dp, sharding, mp)."""
     from gptforge.config import load_config
-    from gptforge.config.loader import check_distributed
+    from gptforge.config.resolve import check_distributed
 
     doc, size = DISTRIBUTED[name]
     cfg = load_config(write(tmp_path, f"{name}.yaml", doc), [*size, *TINY_MODEL, *CPU], world_size=2)
@@ -450,7 +450,7 @@ PIPELINE = {
 def test_pipeline_recipes_resolve(tmp_path, name):
     """Fast: the pipeline recipes with their size overrides fit 4 ranks as mp 2 x pp 2."""
     from gptforge.config import load_config
-    from gptforge.config.loader import check_distributed
+    from gptforge.config.resolve import check_distributed
     from gptforge.train.pipeline import check_pipeline_config
 
     doc, size = PIPELINE[name]

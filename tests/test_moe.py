@@ -99,7 +99,7 @@ def test_bad_moe_keys_are_one_line(over, msg):
     (("Model.num_experts=4", "Distributed.pp_degree=2"), "pipeline parallel does not train MoE models"),
 ])
 def test_bad_expert_parallel_layouts_are_one_line(over, msg):
-    from gptforge.config.loader import check_distributed
+    from gptforge.config.resolve import check_distributed
 
     with pytest.raises(ConfigError, match=msg):
         world = 4 if {"Distributed.mp_degree=2", "Distributed.pp_degree=2"} & set(over) else 2

@@ -186,7 +186,8 @@ _SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
 def _our_config(f: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` (a checkpoint's config.yaml) if it is a whole config; a truncated or damaged one
     is a CheckpointError naming the file rather than a model silently built from defaults."""
-    from gptforge.config.loader import apply_preset, build_config
+    from gptforge.config.resolve import apply_preset
+    from gptforge.config.typed import build_config
     from gptforge.errors import ConfigError
 
     model = raw.get("Model")
@@ -240,8 +241,8 @@ def checkpoint_model_config(path: str | os.PathLike, fallback=None):
     """The resolved model shape a checkpoint holds. `fallback` (a ModelConfig) supplies what the
     file does not record (a .pdparams has no head count)."""
     from gptforge.config import ARCH_KEYS, resolve_model
-    from gptforge.config.loader import _build
     from gptforge.config.schema import ModelConfig
+    from gptforge.config.typed import build_section
     from gptforge.errors import ConfigError
     from gptforge.model import convert
 
@@ -253,7 +254,7 @@ def checkpoint_model_config(path: str | os.PathLike, fallback=None):
             raise ConfigError(f"Model.num_attention_heads: the checkpoint {p} does not record it; "
                               "pass -o Model.num_attention_heads=N")
         model_raw["num_attention_heads"] = fallback.num_attention_heads
-    m = _build(ModelConfig, {k: v for k, v in model_raw.items() if k in ARCH_KEYS}, "Model")
+    m = build_section(ModelConfig, {k: v for k, v in model_raw.items() if k in ARCH_KEYS}, "Model")
     resolve_model(m, 1)
     if detect_format(p) == PADDLE:
         heads = convert.paddle_layer_heads(_pdparams(p), m.num_layers, m.head_dim)
@@ -302,15 +303,15 @@ def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
     converted model)."""
     quant = ((ckpt_raw.get("Compress") or {}).get("Quantization") or {})
     if quant.get("enable"):
-        from gptforge.config.loader import _build
         from gptforge.config.schema import QuantizationConfig
+        from gptforge.config.typed import build_section
 
         try:
             from gptforge.compress.int8 import int8_structure
             from gptforge.compress.quant import quantize_model
         except ImportError as e:  # pragma: no cover - part of the package
             raise CheckpointError(f"checkpoint was saved with quantization but it is unavailable ({e})") from None
-        qcfg = _build(QuantizationConfig, quant, "Compress.Quantization")
+        qcfg = build_section(QuantizationConfig, quant, "Compress.Quantization")
         (int8_structure if qcfg.converted else quantize_model)(model, qcfg)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gptforge.config import load_config
-from gptforge.config.loader import check_distributed
+from gptforge.config.resolve import check_distributed
 from gptforge.errors import ConfigError
 from gptforge.train.dist_env import Topology, dropout_seed, topology
 

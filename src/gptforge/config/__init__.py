@@ -3,15 +3,12 @@
 from gptforge.config.loader import (
     ARCH_KEYS,
     apply_overrides,
-    build_config,
-    check_train_shapes,
     config_to_yaml,
     load_config,
     load_raw,
-    resolve,
-    resolve_model,
     save_config,
 )
+from gptforge.config.resolve import check_train_shapes, resolve, resolve_model
 from gptforge.config.schema import (
     CompressConfig,
     Config,
@@ -27,6 +24,7 @@ from gptforge.config.schema import (
     PruneConfig,
     QuantizationConfig,
 )
+from gptforge.config.typed import build_config
 
 __all__ = [
     "ARCH_KEYS",

@@ -87,7 +87,7 @@ def calibrate(s: Settings) -> Steps:
     cfg = load_config(overrides=model_overrides(s))
     dev = select_device(s.device)
     if dev.type == "cpu":
-        from gptforge.train.trainer import tune_cpu_allocator
+        from gptforge.train.process import tune_cpu_allocator
 
         tune_cpu_allocator()  # as the trainer does: without it every step page-faults its buffers in
     torch.manual_seed(0)

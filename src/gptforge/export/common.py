@@ -160,7 +160,8 @@ def read_export_dir(path: str | os.PathLike, fmt: str = "onnx") -> tuple[Path, d
 def load_export_config(path: str | os.PathLike, config_file: str | None = None, overrides=()):
     """The export's config.yaml, then a `-c` file (its Model shape keys ignored), then `-o`."""
     from gptforge.config import ARCH_KEYS, apply_overrides, build_config, load_raw, resolve
-    from gptforge.config.loader import apply_preset, deep_merge
+    from gptforge.config.loader import deep_merge
+    from gptforge.config.resolve import apply_preset
 
     p = Path(path)
     raw = load_raw(p / "config.yaml") if (p / "config.yaml").is_file() else {}

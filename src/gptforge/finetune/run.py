@@ -128,8 +128,8 @@ def build_classifier(cfg: Config, path: Path, device: torch.device, num_classes:
     """(classifier, config with the checkpoint's shape, tokenizer) from any model gptforge reads.
     QAT models keep their fake-quant modules; a classifier directory also keeps its head when the
     class count matches."""
-    from gptforge.config.loader import _build
     from gptforge.config.schema import QuantizationConfig
+    from gptforge.config.typed import build_section
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import load_model, read_checkpoint_config, resolve_checkpoint_path
 
@@ -141,7 +141,7 @@ def build_classifier(cfg: Config, path: Path, device: torch.device, num_classes:
             raise CheckpointError(f"{p}: a converted INT8 model cannot be trained; fine-tune the QAT model it "
                                   "was converted from")
         # The classifier directory must rebuild the fake-quant modules when it is loaded again.
-        cfg.Compress.Quantization = _build(QuantizationConfig, quant, "Compress.Quantization")
+        cfg.Compress.Quantization = build_section(QuantizationConfig, quant, "Compress.Quantization")
     tok = load_tokenizer(cfg.Data.tokenizer, p if p.is_dir() else None)
     vocab = gpt.wte.weight.shape[0]
     if tok.vocab_size > vocab:
@@ -368,8 +368,8 @@ def finetune(cfg: Config, pretrained: str | os.PathLike | None = None, *, device
     """Fine-tune the model at `pretrained` (default Model.pretrained) on the GLUE task of
     `cfg.Data.Train.dataset` and return a `FinetuneResult`; classifier directories are written
     under Engine.save_load.output_dir."""
-    from gptforge.config.loader import world_size_from_env
-    from gptforge.train.trainer import seed_everything
+    from gptforge.config.resolve import world_size_from_env
+    from gptforge.train.process import seed_everything
 
     if world_size_from_env() > 1:
         raise ConfigError("WORLD_SIZE > 1: gptforge finetune runs in one process (as the reference's "

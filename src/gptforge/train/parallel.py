@@ -257,7 +257,7 @@ class ParallelContext:
 def init_parallel(cfg: Config, device: torch.device | str = "cpu") -> ParallelContext:
     """Validate `Distributed` against WORLD_SIZE and, under torchrun, join the process group
     and build the device mesh. One process: a context for rank 0 of 1, nothing initialised."""
-    from gptforge.config.loader import check_distributed
+    from gptforge.config.resolve import check_distributed
     from gptforge.train import dist_env
 
     world, rank, local_rank = dist_env.env_rank()

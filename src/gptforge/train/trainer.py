@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,7 +44,10 @@ from gptforge.train.metrics import (
 from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer
 from gptforge.train.parallel import init_parallel
 from gptforge.train.precision import Precision
+from gptforge.train.process import seed_everything, tune_cpu_allocator
+from gptforge.train.profile_window import ProfileWindow
 from gptforge.train.recompute import apply_recompute
+from gptforge.train.weights import check_same_shape, load_pretrained
 
 
 class NonFiniteLossError(GPTForgeError):
@@ -67,35 +68,6 @@ class TrainResult:
     output_dir: Path
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def tune_cpu_allocator() -> bool:
-    """Keep freed memory in the glibc heap instead of returning it to the OS (Linux only).
-
-    A CPU training step allocates and frees hundreds of MB (logits, softmax, gradients) every
-    step; by default glibc serves each large block with a fresh mmap, so every step pays page
-    faults on first touch (~0.25 s per 400 MB here, 10-15% of a step). `mallopt` makes it reuse
-    the heap instead, like the jemalloc/tcmalloc setups PyTorch recommends for CPU training.
-    The process's resident size then stays at its peak. `GPTFORGE_MALLOC_TUNING=0` turns it off.
-    """
-    import ctypes
-    import os
-    import sys
-
-    if not sys.platform.startswith("linux") or os.environ.get("GPTFORGE_MALLOC_TUNING", "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
-        return False
 
 
 def _notice(msg: str) -> None:
@@ -183,7 +155,7 @@ class Trainer:
             from gptforge.model_io import load_model
 
             model, shaped = load_model(self.resume_dir, cfg, with_structure=True)
-            _check_same_shape(cfg.Model, shaped.Model, self.resume_dir)
+            check_same_shape(cfg.Model, shaped.Model, self.resume_dir)
             cfg.Model = shaped.Model  # the saved config must describe the saved model
             check_train_shapes(cfg)
             resumed_whole = True
@@ -476,7 +448,7 @@ class Trainer:
         t_window = t_start = time.perf_counter()
         train_iter = self._batches("Train", self.step * self.gbs)
         eval_total = e.eval_iters * (self.max_steps // e.eval_freq) if self._eval_enabled() else 0
-        prof = _ProfileWindow(cfg, self.output_dir, self.device, log) if cfg.Profiler.enable else None
+        prof = ProfileWindow(cfg, self.output_dir, self.device, log) if cfg.Profiler.enable else None
         try:
             while self.step < self.max_steps:
                 if prof is not None:
@@ -595,82 +567,10 @@ class Trainer:
             log.info(f"MFU: n/a (no peak-FLOPs entry for {device_name(self.device)})")
 
 
-class _ProfileWindow:
-    """`Profiler.enable`: a torch.profiler trace of steps [start, end) (`Profiler.scheduler`),
-    written as a Chrome trace plus an op table under `output_dir/<profiler_log>/`."""
-
-    def __init__(self, cfg: Config, output_dir: Path, device: torch.device, log: RunLogger):
-        p = cfg.Profiler
-        if len(p.scheduler) != 2 or not 0 < p.scheduler[0] < p.scheduler[1]:
-            raise ConfigError(f"Profiler.scheduler: expected [start_step, end_step) with 0 < start < end, "
-                              f"got {p.scheduler}")
-        self.start, self.end = p.scheduler
-        self.detailed, self.log = p.detailed, log
-        self.dir = output_dir / p.profiler_log
-        self.activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = None
-
-    def before(self, step: int) -> None:
-        if step == self.start:
-            self.prof = torch.profiler.profile(activities=self.activities, record_shapes=self.detailed,
-                                               with_stack=self.detailed, profile_memory=self.detailed)
-            self.prof.__enter__()
-
-    def after(self, step: int) -> None:
-        if self.prof is not None and step == self.end - 1:
-            self.prof.__exit__(None, None, None)
-            self.dir.mkdir(parents=True, exist_ok=True)
-            name = f"steps_{self.start}-{self.end - 1}"
-            self.prof.export_chrome_trace(str(self.dir / f"{name}.trace.json"))
-            sort = "self_cuda_time_total" if len(self.activities) > 1 else "self_cpu_time_total"
-            table = self.prof.key_averages(group_by_input_shape=self.detailed).table(sort_by=sort, row_limit=40)
-            (self.dir / f"{name}.txt").write_text(table + "\n", encoding="utf-8")
-            self.log.info(f"[profile] steps {self.start}..{self.end - 1}: {self.dir / name}.trace.json and .txt")
-            self.prof = None
-
-
-def _check_same_shape(want, have, ckpt_dir: Path) -> None:
-    """A resumed run keeps its checkpoint's shape: refuse a config (e.g. `-o Model.hidden_size`)
-    that asks for another one instead of ignoring it silently."""
-    from gptforge.config import ARCH_KEYS
-
-    def norm(v):
-        return None if v in ([], (), None) else (list(v) if isinstance(v, (list, tuple)) else v)
-
-    for k in ARCH_KEYS:
-        if norm(getattr(want, k)) != norm(getattr(have, k)):
-            raise ConfigError(f"Model.{k}: {getattr(want, k)} differs from the resumed checkpoint {ckpt_dir} "
-                              f"({getattr(have, k)}); a resumed run keeps its shape: drop the override, or start a "
-                              "new run in another output directory")
-
-
-def load_pretrained(model: nn.Module, path: str | Path, cfg: Config) -> None:
-    """Copy `Compress.pretrained` float weights (any format `model_io` reads) into `model` in place.
-
-    Weights only: no optimizer state or step. Tensors the model has but the checkpoint lacks
-    are allowed only if they are not weights of the plain GPT (e.g. fake-quant state).
-    """
-    from gptforge.errors import CheckpointError
-    from gptforge.model_io import load_model
-
-    src, _ = load_model(path, cfg, with_structure=False)
-    sd = src.state_dict()
-    own = model.state_dict()
-    for k, v in sd.items():
-        if k not in own:
-            raise CheckpointError(f"Compress.pretrained: {path} has tensor {k} that the model lacks")
-        if tuple(own[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"Compress.pretrained: {path} tensor {k} has shape {tuple(v.shape)}, the model "
-                                  f"{tuple(own[k].shape)}; the Model section does not describe this checkpoint")
-    model.load_state_dict(sd, strict=False)
-
-
 def pretrain(cfg: Config, model: nn.Module | None = None, tokenizer=None, **kwargs) -> TrainResult:
     """Train `cfg` (a resolved Config) and return a `TrainResult`. Keyword arguments go to `Trainer`.
     Under torchrun every process calls this (the process group stays for later runs until exit)."""
     return Trainer(cfg, model, tokenizer, **kwargs).train()
 
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "load_pretrained", "pretrain", "seed_everything"]
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "pretrain"]
