@@ -155,6 +155,10 @@ def prompts_from_corpus(tok, n: int, length: int) -> list[list[int]]:
     return out
 
 
+def _weights_mib(model_dir: Path) -> float:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
+
+
 def rate(tokens: int, times: list[float]) -> tuple[float, float, float]:
     """(median, slowest, fastest) tokens/s over the rounds."""
     return tokens / statistics.median(times), tokens / max(times), tokens / min(times)
@@ -319,7 +323,9 @@ def main(argv=None) -> int:
     print(f"machine: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"target: {n_params / 1e6:.1f}M params ({args.target_steps} steps), drafts: "
-          + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M" for n, m in dmodels.items()))
+          # weight file sizes: an INT8 model keeps its weights in buffers, not parameters
+          + ", ".join(f"{n} {_weights_mib(p):.1f} MiB" for n, p in drafts.items())
+          + f" (target {_weights_mib(target):.1f} MiB)")
     print(f"preparation (training, drafts): {prep_s:.0f}s; bandwidth {bw / 1e9:.1f} GB/s -> fp32 limit "
           f"{limit_tps:.1f} tokens/s; {len(prompts)} prompts x 64 tokens -> {new} new, batch 1, greedy\n")
     base, base_lo, base_hi = rows["plain greedy"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gptforge import __version__
+from gptforge.demo.plan import pretrained_steps
 
 PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
 
@@ -337,10 +338,8 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
 
 
 def _pretrained(d, steps: dict) -> str:
-    from gptforge.demo.plan import pretrained_steps
-
     ran = pretrained_steps(d.out("pretrain"), steps["pretrain"])
     if ran >= steps["pretrain"]:
         return f"{ran} steps"
-    return (f"{ran} of {steps['pretrain']} planned steps (stopped when its share of the budget was spent: "
-            "the machine got slower after the step was timed)")
+    return (f"{ran} of {steps['pretrain']} planned steps (stopped by `Engine.max_time` when its share of the "
+            "budget was spent: steps ran slower than the timed one)")
