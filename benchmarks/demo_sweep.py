@@ -29,7 +29,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # name: (hidden, layers, heads, ffn, seq, batch, vocab, max_lr)
@@ -52,6 +52,13 @@ GRID: dict[str, tuple] = {
     # round 3 (quiet AVX-512 machine): a higher learning rate for the 2-layer winner
     "l2_lr6": (128, 2, 4, 512, 128, 16, 2048, 6e-3),
     "l2_lr10": (128, 2, 4, 512, 128, 16, 2048, 1e-2),
+    # round 4 (fixed step counts, two points at a time on one thread each): the schedule's end,
+    # AdamW's beta2 and the context length for the 2-layer winner
+    "l2_d2z": (128, 2, 4, 512, 128, 16, 2048, 3e-3, {"min_lr": 0.0, "beta2": 0.95}),
+    "l2_s256": (128, 2, 4, 512, 256, 8, 2048, 3e-3),
+    "l2_s256_d2z": (128, 2, 4, 512, 256, 8, 2048, 3e-3, {"min_lr": 0.0, "beta2": 0.95}),
+    "l2_b95": (128, 2, 4, 512, 128, 16, 2048, 3e-3, {"beta2": 0.95}),
+    "l2_lr2": (128, 2, 4, 512, 128, 16, 2048, 2e-3),
 }
 
 
@@ -66,6 +73,7 @@ class Point:
     batch: int
     vocab: int
     max_lr: float
+    extra: dict = field(default_factory=dict)  # other Settings fields: min_lr (default max_lr / 10), beta2
 
 
 def point(name: str) -> Point:
@@ -117,8 +125,9 @@ def bits_per_byte(model, tok, text: str, seq: int) -> tuple[float, int]:
     return total / math.log(2) / len(text.encode("utf-8")), len(ids)
 
 
-def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str) -> dict:
-    """Train one point for `seconds` of pretraining (steps from a measured step) and score it."""
+def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, steps: int | None = None) -> dict:
+    """Train one point for `seconds` of pretraining (steps from a measured step), or for `steps`,
+    and score it."""
     import torch
 
     from gptforge import cli
@@ -131,13 +140,13 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str) -> 
     src = data / f"v{pt.vocab}"
     s = Settings(out=str(d), minutes=seconds / 60 / PRETRAIN_SHARE, vocab_size=pt.vocab, device=device,
                  shape=Shape(pt.hidden, pt.layers, pt.heads, pt.ffn, pt.seq, pt.batch), max_lr=pt.max_lr,
-                 min_lr=pt.max_lr / 10)
+                 **{"min_lr": pt.max_lr / 10, **pt.extra})
     p = Paths(d)
     for link, target in ((p.tokenizer, src / "tokenizer"), (p.data, src / "data")):
         if not link.exists():
             link.symlink_to(target.resolve())
     st = calibrate(s)
-    steps = max(20, int(seconds / st.step_seconds))
+    steps = steps or max(20, int(seconds / st.step_seconds))
     st.pretrain = steps
     cfg = write_configs(s, p, st)["pretrain"]
     t0 = time.perf_counter()
@@ -201,6 +210,8 @@ def run_all(args) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.cores_per_point))
         cmd = ["taskset", "-c", mask, sys.executable, __file__, "--data", str(args.data), "--out", str(args.out),
                "--point", name, "--seconds", str(args.seconds), "--device", args.device]
+        if args.steps:
+            cmd += ["--steps", str(args.steps)]
         log = open(Path(args.out) / f"{name.replace(':', '@')}.log", "w")  # noqa: SIM115 (held by the child until it exits)
         procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
         if args.busy or name.endswith(":busy"):
@@ -240,6 +251,7 @@ def main() -> None:
     ap.add_argument("--names", nargs="*")
     ap.add_argument("--seconds", type=float, default=324.0,
                     help="pretraining seconds (the sweeps of 2026-11-24 used 324: 45%% of the demo's 12 min)")
+    ap.add_argument("--steps", type=int, help="train this many steps instead of --seconds' worth (round 4)")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--cores-per-point", type=int, default=2)
     ap.add_argument("--busy", action="store_true")
@@ -252,7 +264,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-        print(json.dumps(run_point(point(args.point), args.data, args.out, args.seconds, args.device), indent=1))
+        print(json.dumps(run_point(point(args.point), args.data, args.out, args.seconds, args.device,
+                                          args.steps), indent=1))
     if args.all:
         args.out.mkdir(parents=True, exist_ok=True)
         run_all(args)

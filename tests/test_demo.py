@@ -27,10 +27,15 @@ def demo(tmp_path_factory):
     import contextlib
     import io
 
+    import torch
+
+    threads = torch.get_num_threads()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = main(["demo", "--quick", "--out", str(out)])
     assert code == 0, buf.getvalue()[-3000:]
+    # the plan may train with another thread count; the caller's is restored
+    assert torch.get_num_threads() == threads
     return out, buf.getvalue()
 
 
@@ -206,6 +211,30 @@ def test_cloze_passages_end_on_a_word_seen_in_their_context():
         words = p.split()
         assert re.fullmatch(r"[A-Za-z]{4,}", words[-1]) and words[-1] in words[:-1]
         assert len(words) >= 7 and doc.find(p) >= 0
+
+
+def test_plan_keeps_the_faster_thread_count(demo):
+    from gptforge.demo.plan import fastest_threads
+
+    timed = []
+
+    def time_at(costs):
+        def f(n):
+            timed.append(n)
+            return costs[n]
+        return f
+
+    # cores busy with other work: one thread is faster
+    assert fastest_threads(time_at({2: 0.30, 1: 0.20}), 2) == (0.20, 1)
+    # quiet: every core's thread is faster, and a tie keeps them
+    assert fastest_threads(time_at({2: 0.08, 1: 0.13}), 2) == (0.08, 2)
+    assert fastest_threads(time_at({4: 0.1, 1: 0.1}), 4) == (0.1, 4)
+    timed.clear()
+    assert fastest_threads(time_at({1: 0.1}), 1) == (0.1, 1) and timed == [1]  # one core: timed once
+    assert fastest_threads(time_at({}), 0) == (0.0, 0)  # not a CPU: nothing timed
+    out, stdout = demo
+    plan = json.loads((out / "demo_state.json").read_text())["stages"]["plan"]["outputs"]["steps"]
+    assert plan["threads"] >= 1 and f"with {plan['threads']} thread" in stdout
 
 
 def test_pretrained_steps_counts_a_stage_stopped_by_max_time():

@@ -227,6 +227,10 @@ class _Both(io.TextIOBase):
         self.a.flush()
 
 
+def _threads_text(n: int) -> str:
+    return f" with {n} thread{'s' if n != 1 else ''}" if n else ""
+
+
 def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
@@ -255,17 +259,23 @@ def _metrics(run_dir: Path) -> dict:
 
 def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict:
     """Run (or continue) the demo in `settings.out`; returns the report's data."""
+    import torch
+
     from gptforge.demo.overall import OverallBar, wanted
 
     d = Demo(settings, force=force, echo=echo)
-    if not wanted(echo, d.console):
-        return _run_stages(d)
-    with OverallBar(d.running_elapsed, 60.0 * settings.minutes, d.console) as bar:
-        d.console = bar.console
-        try:
+    threads = torch.get_num_threads()  # the plan may choose another count; the caller gets its own back
+    try:
+        if not wanted(echo, d.console):
             return _run_stages(d)
-        finally:
-            d.console = bar.real
+        with OverallBar(d.running_elapsed, 60.0 * settings.minutes, d.console) as bar:
+            d.console = bar.console
+            try:
+                return _run_stages(d)
+            finally:
+                d.console = bar.real
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run_stages(d: Demo) -> dict:
@@ -303,9 +313,14 @@ def _run_stages(d: Demo) -> dict:
         return {"steps": asdict(st), "configs": {k: str(v) for k, v in files.items()}}
 
     steps = Steps(**d.stage(3, N, "plan", "time a training step; fit the step counts to the budget", plan,
-                            lambda o: f"{o['steps']['step_seconds'] * 1e3:.0f} ms/step on {o['steps']['device']}: "
+                            lambda o: f"{o['steps']['step_seconds'] * 1e3:.0f} ms/step on {o['steps']['device']}"
+                                      f"{_threads_text(o['steps'].get('threads', 0))}: "
                                       f"pretrain {o['steps']['pretrain']} steps, fine-tunes "
                                       f"{o['steps']['finetune']} steps")["steps"])
+    if steps.threads:
+        import torch
+
+        torch.set_num_threads(steps.threads)  # the count the plan timed faster, also when continuing a demo
     cfg_pre, cfg_qat, cfg_prune = (str(p.config(n)) for n in ("pretrain", "qat", "prune"))
 
     def pretrain():

@@ -61,6 +61,7 @@ class Settings:
     max_lr: float = 3.0e-3
     min_lr: float = 3.0e-4
     warmup_rate: float = 0.02
+    beta2: float = 0.999
 
     def fingerprint(self) -> dict:
         d = asdict(self)
@@ -74,10 +75,16 @@ class Steps:
     pretrain: int
     finetune: int
     device: str
+    threads: int = 0  # CPU threads the demo trains with (0: torch's default; states written before it)
 
 
 def calibrate(s: Settings) -> Steps:
-    """Time a few float training steps of the demo's shape and derive the step counts."""
+    """Time a few float training steps of the demo's shape and derive the step counts.
+
+    On a CPU the step is timed with every core's thread and with one: on a machine whose cores
+    are busy with other work, threads that wait for each other at every operator lose to a single
+    one (measured on 2 cores with two other busy processes: 264-305 ms a step with 2 threads,
+    198-206 ms with 1). The faster count is kept for the whole demo (`Steps.threads`)."""
     import torch
 
     from gptforge.config import load_config
@@ -104,22 +111,48 @@ def calibrate(s: Settings) -> Steps:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    step()
-    step()
-    times = []
-    for _ in range(8):
-        t = time.perf_counter()
+    def timed() -> float:
         step()
-        times.append(time.perf_counter() - t)
-    # The median: on a shared machine a low value is a lucky step (measured: 203 ms calibrated,
-    # 380-480 ms in training with two other processes busy on the 2 cores).
-    sec = statistics.median(times) * TRAINER_OVERHEAD
+        step()
+        times = []
+        for _ in range(8):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        # The median: on a shared machine a low value is a lucky step (measured: 203 ms calibrated,
+        # 380-480 ms in training with two other processes busy on the 2 cores).
+        return statistics.median(times)
+
+    def time_at(n: int) -> float:
+        torch.set_num_threads(n)
+        return timed()
+
+    step_s, threads = fastest_threads(time_at, torch.get_num_threads() if dev.type == "cpu" else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    else:
+        step_s = timed()
+    sec = step_s * TRAINER_OVERHEAD
     budget = 60.0 * s.minutes
     lo, hi = (60, 300) if s.quick else (300, 6000)
     ft_lo, ft_hi = finetune_range(s.quick)
     pretrain = int(min(hi, max(lo, PRETRAIN_SHARE * budget / sec)))
     finetune = int(min(ft_hi, max(ft_lo, FINETUNE_SHARE * budget / (sec * QAT_STEP_COST))))
-    return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=str(dev))
+    return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=str(dev),
+                 threads=threads)
+
+
+def fastest_threads(time_at, threads: int) -> tuple[float, int]:
+    """(seconds, thread count) of the faster of `threads` and 1 thread; `time_at(n)` times a step
+    with n threads. `threads` 0 (not a CPU): (0.0, 0), nothing timed. Ties keep the larger count."""
+    if threads <= 0:
+        return 0.0, 0
+    best = None
+    for n in sorted({threads, 1}, reverse=True):
+        t = time_at(n)
+        if best is None or t < best[0]:
+            best = (t, n)
+    return best
 
 
 # What the stages other than training take, relative to each other (measured on 2 cores: analysis
@@ -242,7 +275,7 @@ def write_configs(s: Settings, p: Paths, steps: Steps) -> dict[str, Path]:
     pre["Model"] = {"vocab_size": s.vocab_size, "hidden_size": sh.hidden, "num_layers": sh.layers,
                     "num_attention_heads": sh.heads, "ffn_hidden_size": sh.ffn, "max_position_embeddings": sh.seq,
                     "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    pre["Optimizer"] = {"weight_decay": 0.01, "lr": {"decay_steps": steps.pretrain, "warmup_rate": s.warmup_rate,
+    pre["Optimizer"] = {"weight_decay": 0.01, "beta2": s.beta2, "lr": {"decay_steps": steps.pretrain, "warmup_rate": s.warmup_rate,
                                                      "max_lr": s.max_lr, "min_lr": s.min_lr},
                         "grad_clip": {"clip_norm": 1.0}}
 

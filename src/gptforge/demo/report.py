@@ -153,6 +153,11 @@ def _checks(d, rows: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _threads(steps: dict) -> str:
+    n = steps.get("threads", 0)
+    return f" with {n} CPU thread{'s' if n != 1 else ''}, the faster count on this machine" if n else ""
+
+
 def _refits(d, steps: dict) -> str:
     refits = getattr(d, "refits", {}) or {}
     return ", ".join(f"{k} {refits.get(k, steps['finetune'])}" for k in ("qat", "qat_skip", "prune", "pruned_qat"))
@@ -265,7 +270,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
         f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {_pretrained(d, steps)} (a training step "
-        f"measured at {steps['step_seconds'] * 1e3:.0f} ms); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
+        f"measured at {steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
     doc.table(*_table(rows))
