@@ -59,6 +59,10 @@ GRID: dict[str, tuple] = {
     "l2_s256_d2z": (128, 2, 4, 512, 256, 8, 2048, 3e-3, {"min_lr": 0.0, "beta2": 0.95}),
     "l2_b95": (128, 2, 4, 512, 128, 16, 2048, 3e-3, {"beta2": 0.95}),
     "l2_lr2": (128, 2, 4, 512, 128, 16, 2048, 2e-3),
+    # smaller models for the busy machine's budget (~40% of the quiet steps)
+    "l2_h96": (96, 2, 3, 384, 128, 16, 2048, 4e-3),
+    "l2_f256": (128, 2, 4, 256, 128, 16, 2048, 3e-3),
+    "l2_h64": (64, 2, 2, 256, 128, 16, 2048, 5e-3),
 }
 
 
@@ -145,7 +149,7 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, ste
     for link, target in ((p.tokenizer, src / "tokenizer"), (p.data, src / "data")):
         if not link.exists():
             link.symlink_to(target.resolve())
-    st = calibrate(s)
+    st = calibrate(s, adapt_shape=False)  # the point's shape, whatever its budget
     steps = steps or max(20, int(seconds / st.step_seconds))
     st.pretrain = steps
     cfg = write_configs(s, p, st)["pretrain"]

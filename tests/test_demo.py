@@ -244,3 +244,41 @@ def test_pretrained_steps_counts_a_stage_stopped_by_max_time():
     assert pretrained_steps({"ckpt": "/x/float/step_1196", "train": [(10, 5.0), (1136, 3.9)]}, 1420) == 1196
     assert pretrained_steps({"train": [(10, 5.0), (1230, 3.1)]}, 4780) == 1230
     assert pretrained_steps({}, 4780) == 4780
+
+
+def test_plan_trains_the_smaller_shape_when_the_budget_is_short(tmp_path):
+    import dataclasses
+
+    import torch
+    import yaml
+
+    from gptforge.demo.plan import (
+        FULL,
+        SMALL,
+        SMALL_BELOW,
+        Paths,
+        Settings,
+        Steps,
+        calibrate,
+        trained_settings,
+        write_configs,
+    )
+
+    threads = torch.get_num_threads()
+    try:
+        short = calibrate(Settings(out=str(tmp_path / "a"), minutes=1.0, device="cpu"))
+        long = calibrate(Settings(out=str(tmp_path / "b"), minutes=200.0, device="cpu"))
+        fixed = calibrate(Settings(out=str(tmp_path / "c"), minutes=1.0, device="cpu"), adapt_shape=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert short.shape == dataclasses.asdict(SMALL) and short.pretrain < SMALL_BELOW
+    assert long.shape is None and long.pretrain >= SMALL_BELOW
+    assert fixed.shape is None
+    # the choice survives the state file (JSON) and reaches the recipes
+    again = Steps(**json.loads(json.dumps(dataclasses.asdict(short))))
+    s = Settings(out=str(tmp_path / "a"), minutes=1.0)
+    t = trained_settings(s, again)
+    assert t.shape == SMALL and t.max_lr == short.max_lr and s.shape == FULL
+    pre = yaml.safe_load(write_configs(t, Paths(t.out), again)["pretrain"].read_text())
+    assert pre["Model"]["hidden_size"] == SMALL.hidden and pre["Optimizer"]["lr"]["max_lr"] == short.max_lr
+    assert trained_settings(s, long) is s

@@ -331,8 +331,79 @@ def test_max_time_saves_and_stops_then_resume_continues(tmp_path, monkeypatch):
     assert r2.step == 40 and len(r2.losses) == 40 - r.step
 
 
+def test_fit_to_max_time_refits_the_length_and_the_lr_decay():
+    from gptforge.train.optim import LRSchedule
+    from gptforge.train.time_fit import TimeFit
+
+    sched = LRSchedule("CosineAnnealingWithWarmupDecay", 1e-3, 1e-4, decay_samples=100 * 4, warmup_samples=8)
+    fit = TimeFit(sched, max_steps=100, max_time=10.0, gbs=4, start_step=0)
+    assert fit.fit(20, 4.0) == 50  # slower than planned: 50 steps fit in 10 s
+    assert fit.apply(50, 0.2).startswith("[fit] Engine.fit_to_max_time: 50 steps fit in 10 s at 0.200 s/step (was 100)")
+    assert fit.apply(52) is None and fit.apply(53).endswith("(was 50); lr decay refitted")  # drift past 5% is logged
+    fit.apply(50)
+    assert sched.decay == 50 * 4 and sched(49 * 4) < 1.1e-4  # the decay ends with the shorter run
+    assert fit.fit(20, 1.0) == 200  # faster: more steps, and the decay stretches with them
+    fit.apply(200)
+    assert sched.decay == 200 * 4 and sched.warmup == 8
+    assert fit.fit(30, 50.0) == 31  # past the time already: the next step ends the run
+    resumed = TimeFit(sched, max_steps=100, max_time=10.0, gbs=4, start_step=60)
+    assert resumed.fit(70, 2.0) == 110  # this run's steps and seconds only
+    capped = TimeFit(sched, max_steps=100, max_time=10.0, gbs=4, start_step=0, cap=150)
+    assert capped.fit(20, 1.0) == 150 and capped.fit(20, 4.0) == 50  # Engine.fit_max_steps bounds a longer run
+
+
+def test_fit_to_max_time_ends_the_run_with_its_schedule_decayed(tmp_path, monkeypatch):
+    """A machine slower than planned: with Engine.max_time alone the run stops with lr still
+    high; with fit_to_max_time it ends earlier than planned with the lr decayed."""
+    import gptforge.train.trainer as T
+
+    def run(sub, *extra):
+        clock = {"t": 0.0}
+
+        def fake_perf_counter():
+            clock["t"] += 0.1
+            return clock["t"]
+
+        monkeypatch.setattr(T.time, "perf_counter", fake_perf_counter)
+        cfg = train_config(tmp_path / sub, "Engine.save_load.save_steps=-1", "Engine.eval_freq=-1",
+                           "Engine.max_time=3", "Optimizer.lr.warmup_rate=0.05", *extra, steps=60)
+        r = _train(cfg)
+        rows = [json.loads(x) for x in (tmp_path / sub / "out" / "metrics.jsonl").read_text().splitlines()]
+        return r, [x["lr"] for x in rows if x["kind"] == "train"], (tmp_path / sub / "out" / "train.log").read_text()
+
+    plain, plain_lr, _ = run("plain")
+    fitted, fit_lr, text = run("fit", "Engine.fit_to_max_time=true")
+    assert 0 < plain.step < 60 and 0 < fitted.step < 60
+    assert plain_lr[-1] > 5e-4  # stopped part-way through the decay (max 2e-3, min 1e-4)
+    assert fit_lr[-1] < 4e-4 and "[fit] Engine.fit_to_max_time:" in text
+    assert max(fit_lr) <= 2e-3 + 1e-12
+
+
+def test_fit_to_max_time_needs_max_time(tmp_path):
+    from gptforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^Engine.fit_to_max_time: needs Engine.max_time"):
+        train_config(tmp_path, "Engine.fit_to_max_time=true", steps=4)
+    with pytest.raises(ConfigError, match=r"^Engine.fit_max_steps: 0 must be a step count >= 1"):
+        train_config(tmp_path, "Engine.max_time=5", "Engine.fit_to_max_time=true", "Engine.fit_max_steps=0", steps=4)
+
+
 def test_max_time_must_be_positive(tmp_path):
     from gptforge.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"Engine.max_time: 0.0 must be a number of seconds > 0"):
         train_config(tmp_path, "Engine.max_time=0", steps=4)
+
+
+def test_a_checkpoints_time_limits_are_not_inherited():
+    """A fine-tune started from a model directory (--ckpt) must not stretch to fill the time
+    limits of the run that wrote it (the demo's prune stage did: 3458 steps instead of 300)."""
+    from gptforge.config.loader import CheckpointConfig, merge_layers
+
+    ck = CheckpointConfig(source="x", raw={"Engine": {"max_time": 418.0, "fit_to_max_time": True,
+                                                      "fit_max_steps": 6000, "logging_freq": 7}})
+    e = merge_layers(None, [], ck)["Engine"]
+    assert e.get("logging_freq") == 7  # other keys still come from the checkpoint
+    assert not {"max_time", "fit_to_max_time", "fit_max_steps"} & set(e)
+    e = merge_layers(None, ["Engine.max_time=30"], ck)["Engine"]
+    assert e["max_time"] == 30  # the new run's own limit

@@ -278,9 +278,12 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config without the values its launch derived from the world size
     (Distributed.dp_degree, Global.local_batch_size): resuming at another world size derives
     them again from the global batch. Engine.save_load.ckpt_dir (the checkpoint that launch
-    resumed from) goes too: it would make every later `--ckpt` of this directory a conflict."""
+    resumed from) goes too: it would make every later `--ckpt` of this directory a conflict.
+    So do the time limits of that run (Engine.max_time, fit_to_max_time, fit_max_steps): they
+    were its own, and a fine-tune started from it would otherwise stretch to fill them."""
     out = dict(raw)
-    for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size")):
+    for section, key in (("Distributed", "dp_degree"), ("Global", "local_batch_size"), ("Engine", "max_time"),
+                         ("Engine", "fit_to_max_time"), ("Engine", "fit_max_steps")):
         if isinstance(out.get(section), dict) and key in out[section]:
             out[section] = {k: v for k, v in out[section].items() if k != key}
     if _at(out, "Engine.save_load.ckpt_dir") is not None:

@@ -339,6 +339,11 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"Engine.trackers: unknown tracker {bad[0]!r}; choose from tensorboard, wandb, mlflow")
     if e.max_time is not None and not e.max_time > 0:
         raise ConfigError(f"Engine.max_time: {e.max_time} must be a number of seconds > 0 (or unset)")
+    if e.fit_to_max_time and e.max_time is None:
+        raise ConfigError("Engine.fit_to_max_time: needs Engine.max_time (the seconds to fit the run into); "
+                          "add -o Engine.max_time=SECONDS")
+    if e.fit_max_steps is not None and e.fit_max_steps < 1:
+        raise ConfigError(f"Engine.fit_max_steps: {e.fit_max_steps} must be a step count >= 1 (or unset)")
     if e.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"Engine.on_nonfinite: must be stop or skip, got {e.on_nonfinite!r}")
     mp = e.mix_precision

@@ -193,6 +193,8 @@ class EngineConfig:
     run_mode: str = "step"  # step | epoch (epoch: fine-tuning)
     max_steps: int = 500000  # -1: derived from num_train_epochs (run_mode epoch), or unused (export/inference recipes)
     max_time: float | None = None  # seconds of training in this run: then save a checkpoint and stop (--resume continues)
+    fit_to_max_time: bool = False  # with max_time: re-fit max_steps and the lr decay to the steps that fit in it, as measured
+    fit_max_steps: int | None = None  # with fit_to_max_time: the most steps the fit may choose (None: no limit)
     num_train_epochs: int = 1  # run_mode epoch: passes over the training set (gptforge finetune)
     accumulate_steps: int | None = None  # derived: local_batch_size / micro_batch_size
     logging_freq: int = 1

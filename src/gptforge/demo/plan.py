@@ -14,7 +14,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -24,6 +24,7 @@ import yaml
 PRETRAIN_SHARE = 0.58
 FINETUNE_SHARE = 0.065
 QAT_STEP_COST = 1.4  # a fake-quant training step costs about this many float steps (measured: 1.1-1.3)
+PRETRAIN_MAX = 6000  # pretraining steps at most (~2.6 passes over the built-in corpus' training split)
 TRAINER_OVERHEAD = 1.15  # the trainer's step (data, clipping, logging, evals, checkpoints) vs the bare step timed
 
 
@@ -41,6 +42,13 @@ class Shape:
 # pretraining on 2 cores, 2 layers that see twice the tokens beat 4 layers (1.66 vs 1.74-1.78 bits/byte).
 FULL = Shape(hidden=128, layers=2, heads=4, ffn=512, seq=128, batch=16)
 QUICK = Shape(hidden=64, layers=2, heads=2, ffn=256, seq=64, batch=8)
+# When the budget buys fewer than SMALL_BELOW steps of FULL (a busy or slow machine), a narrower
+# model that takes ~45% more steps in the same time does better (sweep round 5, at the steps a
+# busy 2-core machine buys: hidden 96 1.815 bits/byte vs FULL's 1.855; at a quiet machine's 4780
+# steps FULL wins, 1.629 vs 1.671).
+SMALL = Shape(hidden=96, layers=2, heads=3, ffn=384, seq=128, batch=16)
+SMALL_LR = 4.0e-3
+SMALL_BELOW = 3000
 
 
 @dataclass
@@ -76,27 +84,64 @@ class Steps:
     finetune: int
     device: str
     threads: int = 0  # CPU threads the demo trains with (0: torch's default; states written before it)
+    shape: dict | None = None  # the shape trained when the plan chose SMALL (None: the settings' shape)
+    max_lr: float | None = None
+    min_lr: float | None = None
 
 
-def calibrate(s: Settings) -> Steps:
+def calibrate(s: Settings, adapt_shape: bool = True) -> Steps:
     """Time a few float training steps of the demo's shape and derive the step counts.
 
     On a CPU the step is timed with every core's thread and with one: on a machine whose cores
     are busy with other work, threads that wait for each other at every operator lose to a single
     one (measured on 2 cores with two other busy processes: 264-305 ms a step with 2 threads,
-    198-206 ms with 1). The faster count is kept for the whole demo (`Steps.threads`)."""
+    198-206 ms with 1). The faster count is kept for the whole demo (`Steps.threads`).
+
+    With the default shape and `adapt_shape`, a budget that buys fewer than `SMALL_BELOW` steps
+    of it (a slow or busy machine) trains the smaller `SMALL` shape instead (`Steps.shape`)."""
     import torch
 
-    from gptforge.config import load_config
     from gptforge.device import select_device
-    from gptforge.model import build_model
 
-    cfg = load_config(overrides=model_overrides(s))
     dev = select_device(s.device)
     if dev.type == "cpu":
         from gptforge.train.process import tune_cpu_allocator
 
         tune_cpu_allocator()  # as the trainer does: without it every step page-faults its buffers in
+    timed = _step_timer(s, dev)
+
+    def time_at(n: int) -> float:
+        torch.set_num_threads(n)
+        return timed()
+
+    step_s, threads = fastest_threads(time_at, torch.get_num_threads() if dev.type == "cpu" else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    else:
+        step_s = timed()
+    steps = _fit(s, step_s * TRAINER_OVERHEAD, str(dev), threads)
+    if adapt_shape and not s.quick and s.shape == FULL and steps.pretrain < SMALL_BELOW:
+        small = replace(s, shape=SMALL, max_lr=SMALL_LR, min_lr=SMALL_LR / 10)
+        steps = _fit(small, _step_timer(small, dev)() * TRAINER_OVERHEAD, str(dev), threads)
+        steps.shape, steps.max_lr, steps.min_lr = asdict(SMALL), SMALL_LR, SMALL_LR / 10
+    return steps
+
+
+def trained_settings(s: Settings, steps: Steps) -> Settings:
+    """The settings the demo trains with: the plan may have chosen the smaller shape."""
+    if not steps.shape:
+        return s
+    return replace(s, shape=Shape(**steps.shape), max_lr=steps.max_lr, min_lr=steps.min_lr)
+
+
+def _step_timer(s: Settings, dev):
+    """A function that returns the median time of a float training step of `s`'s shape."""
+    import torch
+
+    from gptforge.config import load_config
+    from gptforge.model import build_model
+
+    cfg = load_config(overrides=model_overrides(s))
     torch.manual_seed(0)
     model = build_model(cfg.Model).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -123,22 +168,17 @@ def calibrate(s: Settings) -> Steps:
         # 380-480 ms in training with two other processes busy on the 2 cores).
         return statistics.median(times)
 
-    def time_at(n: int) -> float:
-        torch.set_num_threads(n)
-        return timed()
+    return timed
 
-    step_s, threads = fastest_threads(time_at, torch.get_num_threads() if dev.type == "cpu" else 0)
-    if threads:
-        torch.set_num_threads(threads)
-    else:
-        step_s = timed()
-    sec = step_s * TRAINER_OVERHEAD
+
+def _fit(s: Settings, sec: float, device: str, threads: int) -> Steps:
+    """Step counts that fit the budget's shares at `sec` seconds a float training step."""
     budget = 60.0 * s.minutes
-    lo, hi = (60, 300) if s.quick else (300, 6000)
+    lo, hi = (60, 300) if s.quick else (300, PRETRAIN_MAX)
     ft_lo, ft_hi = finetune_range(s.quick)
     pretrain = int(min(hi, max(lo, PRETRAIN_SHARE * budget / sec)))
     finetune = int(min(ft_hi, max(ft_lo, FINETUNE_SHARE * budget / (sec * QAT_STEP_COST))))
-    return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=str(dev),
+    return Steps(step_seconds=sec, pretrain=_round(pretrain), finetune=_round(finetune), device=device,
                  threads=threads)
 
 

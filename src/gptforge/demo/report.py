@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gptforge import __version__
-from gptforge.demo.plan import pretrained_steps
+from gptforge.demo.plan import SMALL_BELOW, Steps, pretrained_steps, trained_settings
 
 PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
 
@@ -153,6 +153,13 @@ def _checks(d, rows: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _small_note(steps: dict) -> str:
+    if not steps.get("shape"):
+        return ""
+    return (f" (the smaller shape: this machine's budget bought fewer than {SMALL_BELOW} steps of the default "
+            "hidden-128 model, where the narrower one learns more in the same time)")
+
+
 def _threads(steps: dict) -> str:
     n = steps.get("threads", 0)
     return f" with {n} CPU thread{'s' if n != 1 else ''}, the faster count on this machine" if n else ""
@@ -256,6 +263,7 @@ class _Doc:
 def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     """Write report.md, report.html and the plots into the demo directory."""
     s, p = d.s, d.p
+    s = trained_settings(s, Steps(**d.out("plan")["steps"]))  # the shape the plan chose
     plots = _plots(d, rows, p.out)
     data, steps = d.out("data"), d.out("plan")["steps"]
     an = d.out("analysis")
@@ -269,7 +277,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
-        f"seq {s.shape.seq}, batch {s.shape.batch}; pretraining {_pretrained(d, steps)} (a training step "
+        f"seq {s.shape.seq}, batch {s.shape.batch}{_small_note(steps)}; pretraining {_pretrained(d, steps)} (a training step "
         f"measured at {steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
@@ -344,7 +352,8 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
 
 def _pretrained(d, steps: dict) -> str:
     ran = pretrained_steps(d.out("pretrain"), steps["pretrain"])
-    if ran >= steps["pretrain"]:
+    if ran == steps["pretrain"]:
         return f"{ran} steps"
-    return (f"{ran} of {steps['pretrain']} planned steps (stopped by `Engine.max_time` when its share of the "
-            "budget was spent: steps ran slower than the timed one)")
+    return (f"{ran} steps, {steps['pretrain']} planned (`Engine.fit_to_max_time` re-fitted the run and its lr "
+            f"decay to its share of the budget: steps ran {'slower' if ran < steps['pretrain'] else 'faster'} "
+            "than the timed one)")

@@ -252,6 +252,12 @@ class RunLogger:
                 self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._bar.update(step - self._bar.n)
 
+    def set_total(self, total_steps: int) -> None:
+        """The run's length changed (`Engine.fit_to_max_time`): the bar's total follows."""
+        if self._bar is not None:
+            self._bar.total = total_steps
+            self._bar.refresh()
+
     def close(self, ok: bool = True) -> None:
         """Flush and close every sink; `ok=False` marks tracker runs failed (an error ended them)."""
         trackers, self._trackers = self._trackers, []

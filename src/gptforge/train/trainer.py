@@ -47,6 +47,7 @@ from gptforge.train.precision import Precision
 from gptforge.train.process import seed_everything, tune_cpu_allocator
 from gptforge.train.profile_window import ProfileWindow
 from gptforge.train.recompute import apply_recompute
+from gptforge.train.time_fit import TimeFit
 from gptforge.train.weights import check_same_shape, load_pretrained
 
 
@@ -449,6 +450,8 @@ class Trainer:
         train_iter = self._batches("Train", self.step * self.gbs)
         eval_total = e.eval_iters * (self.max_steps // e.eval_freq) if self._eval_enabled() else 0
         prof = ProfileWindow(cfg, self.output_dir, self.device, log) if cfg.Profiler.enable else None
+        fit = TimeFit(self.scheduler.schedule, self.max_steps, e.max_time, self.gbs, self.step, e.fit_max_steps) \
+            if e.fit_to_max_time and e.max_time else None
         try:
             while self.step < self.max_steps:
                 if prof is not None:
@@ -464,6 +467,8 @@ class Trainer:
                 window_steps += 1
                 if self.step % e.logging_freq == 0 or self.step == self.max_steps:
                     now = time.perf_counter()
+                    if fit is not None:
+                        self._refit(fit, now - t_start, log)
                     cost = (now - t_window) / window_steps
                     mean_loss = window_loss / window_steps
                     epoch = (self.step * self.gbs - 1) // train_len
@@ -525,6 +530,23 @@ class Trainer:
         log.close()
         return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
                            output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
+
+    def _refit(self, fit: TimeFit, elapsed: float, log) -> None:
+        """`Engine.fit_to_max_time`: the run's length and lr decay from the measured rate (rank 0's)."""
+        n = fit.fit(self.step, elapsed)
+        if self.par.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(n)], device=self.device, dtype=torch.float64)
+            dist.broadcast(flag, 0)
+            n = int(flag.item())
+        if n != self.max_steps:
+            note = fit.apply(n, elapsed / (self.step - fit.start_step))
+            if note:
+                log.info(note)
+            self.max_steps = n
+            log.set_total(n)
+            self.scheduler.apply()
 
     def _out_of_time(self, t_start: float) -> bool:
         """`Engine.max_time` has passed (every rank takes rank 0's answer, so all stop together)."""
