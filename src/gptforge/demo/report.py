@@ -162,7 +162,7 @@ def _small_note(steps: dict) -> str:
 
 def _threads(steps: dict) -> str:
     n = steps.get("threads", 0)
-    return f" with {n} CPU thread{'s' if n != 1 else ''}, the faster count on this machine" if n else ""
+    return f" with {n} CPU thread{'s' if n != 1 else ''} (the faster count on this machine)" if n else ""
 
 
 def _refits(d, steps: dict) -> str:
@@ -277,8 +277,9 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
-        f"seq {s.shape.seq}, batch {s.shape.batch}{_small_note(steps)}; pretraining {_pretrained(d, steps)} (a training step "
-        f"measured at {steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}); fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
+        f"seq {s.shape.seq}, batch {s.shape.batch}{_small_note(steps)}; a training step measured at "
+        f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining {_pretrained(d, steps)}; "
+        f"fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
     doc.table(*_table(rows))
@@ -354,6 +355,5 @@ def _pretrained(d, steps: dict) -> str:
     ran = pretrained_steps(d.out("pretrain"), steps["pretrain"])
     if ran == steps["pretrain"]:
         return f"{ran} steps"
-    return (f"{ran} steps, {steps['pretrain']} planned (`Engine.fit_to_max_time` re-fitted the run and its lr "
-            f"decay to its share of the budget: steps ran {'slower' if ran < steps['pretrain'] else 'faster'} "
-            "than the timed one)")
+    return (f"{ran} steps, {steps['pretrain']} planned (steps ran {'slower' if ran < steps['pretrain'] else 'faster'} "
+            "than the timed one: `Engine.fit_to_max_time` re-fitted the run and its lr decay to its share of the budget)")
