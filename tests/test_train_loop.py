@@ -376,6 +376,7 @@ def test_fit_to_max_time_ends_the_run_with_its_schedule_decayed(tmp_path, monkey
     assert 0 < plain.step < 60 and 0 < fitted.step < 60
     assert plain_lr[-1] > 5e-4  # stopped part-way through the decay (max 2e-3, min 1e-4)
     assert fit_lr[-1] < 4e-4 and "[fit] Engine.fit_to_max_time:" in text
+    assert "--resume auto continues" not in text.split("[stop]")[-1]
     assert max(fit_lr) <= 2e-3 + 1e-12
 
 

@@ -507,7 +507,8 @@ class Trainer:
                     log.record("stop", self.step, {"reason": "max_time", "max_time": e.max_time,
                                                    "last_checkpoint": str(self.last_checkpoint)})
                     log.info(f"[stop] Engine.max_time: {e.max_time:g} s of training reached at step {self.step} of "
-                             f"{self.max_steps}; checkpoint {self.last_checkpoint} (--resume auto continues)")
+                             f"{self.max_steps}; checkpoint {self.last_checkpoint} "
+                             f"({'lr decay complete (Engine.fit_to_max_time)' if fit else '--resume auto continues'})")
                     break
         except NonFiniteLossError as err:
             log.record("stop", err.step, {"reason": "nonfinite", "last_checkpoint": str(err.last_checkpoint)})
