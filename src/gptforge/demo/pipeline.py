@@ -34,6 +34,7 @@ from gptforge.demo.plan import (
     pretrain_seconds,
     pretrained_steps,
     refit_finetune,
+    threads_text,
     trained_settings,
     write_configs,
 )
@@ -229,10 +230,6 @@ class _Both(io.TextIOBase):
         self.a.flush()
 
 
-def _threads_text(n: int) -> str:
-    return f" with {n} thread{'s' if n != 1 else ''}" if n else ""
-
-
 def _jsonable(x):
     return json.loads(json.dumps(x, default=str))
 
@@ -316,7 +313,7 @@ def _run_stages(d: Demo) -> dict:
 
     steps = Steps(**d.stage(3, N, "plan", "time a training step; fit the step counts to the budget", plan,
                             lambda o: f"{o['steps']['step_seconds'] * 1e3:.0f} ms/step on {o['steps']['device']}"
-                                      f"{_threads_text(o['steps'].get('threads', 0))}: "
+                                      f"{threads_text(o['steps'].get('threads', 0))}: "
                                       f"pretrain {o['steps']['pretrain']} steps, fine-tunes "
                                       f"{o['steps']['finetune']} steps")["steps"])
     s = trained_settings(s, steps)

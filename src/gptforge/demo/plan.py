@@ -182,6 +182,11 @@ def _fit(s: Settings, sec: float, device: str, threads: int) -> Steps:
                  threads=threads)
 
 
+def threads_text(n: int) -> str:
+    """' with N thread(s)' for the plan's thread count; '' when none was chosen (not a CPU)."""
+    return f" with {n} thread{'s' if n != 1 else ''}" if n else ""
+
+
 def fastest_threads(time_at, threads: int) -> tuple[float, int]:
     """(seconds, thread count) of the faster of `threads` and 1 thread; `time_at(n)` times a step
     with n threads. `threads` 0 (not a CPU): (0.0, 0), nothing timed. Ties keep the larger count."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gptforge import __version__
-from gptforge.demo.plan import SMALL_BELOW, Steps, pretrained_steps, trained_settings
+from gptforge.demo.plan import SMALL_BELOW, Steps, pretrained_steps, threads_text, trained_settings
 
 PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
 
@@ -162,7 +162,7 @@ def _small_note(steps: dict) -> str:
 
 def _threads(steps: dict) -> str:
     n = steps.get("threads", 0)
-    return f" with {n} CPU thread{'s' if n != 1 else ''} (the faster count on this machine)" if n else ""
+    return f"{threads_text(n)} (the faster count on this machine)" if n else ""
 
 
 def _refits(d, steps: dict) -> str:

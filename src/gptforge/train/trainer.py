@@ -507,8 +507,8 @@ class Trainer:
                     log.record("stop", self.step, {"reason": "max_time", "max_time": e.max_time,
                                                    "last_checkpoint": str(self.last_checkpoint)})
                     log.info(f"[stop] Engine.max_time: {e.max_time:g} s of training reached at step {self.step} of "
-                             f"{self.max_steps}; checkpoint {self.last_checkpoint} "
-                             f"({'lr decay complete (Engine.fit_to_max_time)' if fit else '--resume auto continues'})")
+                             f"{self.max_steps}; checkpoint {self.last_checkpoint}"
+                             f"{'; its lr decay is complete (Engine.fit_to_max_time)' if fit else ' (--resume auto continues)'}")
                     break
         except NonFiniteLossError as err:
             log.record("stop", err.step, {"reason": "nonfinite", "last_checkpoint": str(err.last_checkpoint)})
@@ -534,13 +534,7 @@ class Trainer:
 
     def _refit(self, fit: TimeFit, elapsed: float, log) -> None:
         """`Engine.fit_to_max_time`: the run's length and lr decay from the measured rate (rank 0's)."""
-        n = fit.fit(self.step, elapsed)
-        if self.par.world_size > 1:
-            import torch.distributed as dist
-
-            flag = torch.tensor([float(n)], device=self.device, dtype=torch.float64)
-            dist.broadcast(flag, 0)
-            n = int(flag.item())
+        n = int(self._rank0(fit.fit(self.step, elapsed)))
         if n != self.max_steps:
             note = fit.apply(n, elapsed / (self.step - fit.start_step))
             if note:
@@ -554,14 +548,17 @@ class Trainer:
         limit = self.cfg.Engine.max_time
         if not limit:
             return False
-        over = time.perf_counter() - t_start >= limit
-        if self.par.world_size > 1:
-            import torch.distributed as dist
+        return bool(self._rank0(float(time.perf_counter() - t_start >= limit)))
 
-            flag = torch.tensor([1.0 if over else 0.0], device=self.device)
-            dist.broadcast(flag, 0)
-            over = bool(flag.item())
-        return over
+    def _rank0(self, value: float) -> float:
+        """Rank 0's `value` on every rank (decisions taken from one clock, so all ranks agree)."""
+        if self.par.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.broadcast(t, 0)
+        return float(t.item())
 
     def _trackers(self) -> list:
         """W&B / MLflow runs for `Engine.trackers` (called by the logging process only)."""
