@@ -63,6 +63,18 @@ GRID: dict[str, tuple] = {
     "l2_h96": (96, 2, 3, 384, 128, 16, 2048, 4e-3),
     "l2_f256": (128, 2, 4, 256, 128, 16, 2048, 3e-3),
     "l2_h64": (64, 2, 2, 256, 128, 16, 2048, 5e-3),
+    # round 6 (the quiet budget, equal time at 2 threads): a larger tokenizer, a wider or deeper
+    # model, twice the batch
+    "l2_v4k_lr3": (128, 2, 4, 512, 128, 16, 4096, 3e-3),
+    "l2_v3k": (128, 2, 4, 512, 128, 16, 3072, 3e-3),
+    "l2_h160": (160, 2, 5, 640, 128, 16, 2048, 3e-3),
+    "l3_lr3": (128, 3, 4, 512, 128, 16, 2048, 3e-3),
+    "l2_b32_lr4": (128, 2, 4, 512, 128, 32, 2048, 4e-3),
+    "h160_v4k": (160, 2, 5, 640, 128, 16, 4096, 3e-3),
+    "h192_v4k": (192, 2, 6, 768, 128, 16, 4096, 3e-3),
+    # round 7 (a busy machine's budget) with the larger tokenizer
+    "h96_v4k": (96, 2, 3, 384, 128, 16, 4096, 4e-3),
+    "h128_v4k_busy": (128, 2, 4, 512, 128, 16, 4096, 3e-3),
 }
 
 
@@ -105,12 +117,13 @@ def prepare(data: Path, vocab: int) -> None:
                   max_chars=40_000, cloze_examples=200)
 
 
-def bits_per_byte(model, tok, text: str, seq: int) -> tuple[float, int]:
-    """Σ NLL (bits) of `text` under `model` / its UTF-8 bytes; windows of `seq`, stride `seq // 2`."""
+def bits_per_byte(model, tok, text: str, seq: int, stride: int | None = None) -> tuple[float, int]:
+    """Σ NLL (bits) of `text` under `model` / its UTF-8 bytes; windows of `seq`, stride `seq // 2`
+    unless given."""
     import torch
 
     ids = tok.encode(text)
-    stride = seq // 2
+    stride = stride or seq // 2
     total, scored, start = 0.0, 0, 0
     with torch.inference_mode():
         while True:
@@ -129,9 +142,11 @@ def bits_per_byte(model, tok, text: str, seq: int) -> tuple[float, int]:
     return total / math.log(2) / len(text.encode("utf-8")), len(ids)
 
 
-def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, steps: int | None = None) -> dict:
+def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, steps: int | None = None,
+              fit: bool = False) -> dict:
     """Train one point for `seconds` of pretraining (steps from a measured step), or for `steps`,
-    and score it."""
+    and score it. `fit`: as the demo does, stop at `seconds` with the run's length and lr decay
+    re-fitted to it as measured (`Engine.fit_to_max_time`)."""
     import torch
 
     from gptforge import cli
@@ -154,11 +169,13 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, ste
     st.pretrain = steps
     cfg = write_configs(s, p, st)["pretrain"]
     t0 = time.perf_counter()
-    code = cli.main(["pretrain", "-c", str(cfg), "--no-progress", "--force"])
+    limit = ["-o", f"Engine.max_time={seconds:.0f}", "-o", "Engine.fit_to_max_time=true"] if fit else []
+    code = cli.main(["pretrain", "-c", str(cfg), "--no-progress", "--force", *limit])
     train_s = time.perf_counter() - t0
     if code != 0:
         raise SystemExit(f"{pt.name}: pretrain exited {code}")
     last = max((x for x in p.float.iterdir() if x.name.startswith("step_")), key=lambda x: int(x.name[5:]))
+    steps = int(last.name[5:])
     model, _ = load_model(str(last))
     tok = load_tokenizer(str(src / "tokenizer"))
     text = (src / "data" / "heldout.txt").read_text(encoding="utf-8")
@@ -256,6 +273,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=324.0,
                     help="pretraining seconds (the sweeps of 2026-11-24 used 324: 45%% of the demo's 12 min)")
     ap.add_argument("--steps", type=int, help="train this many steps instead of --seconds' worth (round 4)")
+    ap.add_argument("--fit", action="store_true",
+                    help="train --seconds as the demo does: Engine.max_time with Engine.fit_to_max_time (round 8)")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--cores-per-point", type=int, default=2)
     ap.add_argument("--busy", action="store_true")
@@ -269,7 +288,7 @@ def main() -> None:
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
         print(json.dumps(run_point(point(args.point), args.data, args.out, args.seconds, args.device,
-                                          args.steps), indent=1))
+                                          args.steps, args.fit), indent=1))
     if args.all:
         args.out.mkdir(parents=True, exist_ok=True)
         run_all(args)

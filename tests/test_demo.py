@@ -246,7 +246,15 @@ def test_pretrained_steps_counts_a_stage_stopped_by_max_time():
     assert pretrained_steps({}, 4780) == 4780
 
 
-def test_plan_trains_the_smaller_shape_when_the_budget_is_short(tmp_path):
+def test_plan_ladder_picks_each_shape_by_budget():
+    from gptforge.demo.plan import FULL, LADDER, LARGE, choose
+
+    assert [c.shape for c in LADDER] == [LARGE, FULL]
+    large = LADDER[0].from_full_steps
+    assert choose(large).shape == LARGE and choose(large - 1).shape == FULL and choose(0).shape == FULL
+
+
+def test_plan_follows_the_budget_with_the_model_shape(tmp_path):
     import dataclasses
 
     import torch
@@ -254,8 +262,8 @@ def test_plan_trains_the_smaller_shape_when_the_budget_is_short(tmp_path):
 
     from gptforge.demo.plan import (
         FULL,
-        SMALL,
-        SMALL_BELOW,
+        LADDER,
+        LARGE,
         Paths,
         Settings,
         Steps,
@@ -271,14 +279,25 @@ def test_plan_trains_the_smaller_shape_when_the_budget_is_short(tmp_path):
         fixed = calibrate(Settings(out=str(tmp_path / "c"), minutes=1.0, device="cpu"), adapt_shape=False)
     finally:
         torch.set_num_threads(threads)
-    assert short.shape == dataclasses.asdict(SMALL) and short.pretrain < SMALL_BELOW
-    assert long.shape is None and long.pretrain >= SMALL_BELOW
+    assert short.shape is None and short.pretrain < LADDER[0].from_full_steps
+    assert long.shape == dataclasses.asdict(LARGE)
     assert fixed.shape is None
     # the choice survives the state file (JSON) and reaches the recipes
-    again = Steps(**json.loads(json.dumps(dataclasses.asdict(short))))
-    s = Settings(out=str(tmp_path / "a"), minutes=1.0)
-    t = trained_settings(s, again)
-    assert t.shape == SMALL and t.max_lr == short.max_lr and s.shape == FULL
-    pre = yaml.safe_load(write_configs(t, Paths(t.out), again)["pretrain"].read_text())
-    assert pre["Model"]["hidden_size"] == SMALL.hidden and pre["Optimizer"]["lr"]["max_lr"] == short.max_lr
-    assert trained_settings(s, long) is s
+    for steps, shape in ((short, FULL), (long, LARGE)):
+        again = Steps(**json.loads(json.dumps(dataclasses.asdict(steps))))
+        s = Settings(out=str(tmp_path / "a"), minutes=1.0)
+        t = trained_settings(s, again)
+        lr = steps.max_lr or s.max_lr
+        assert t.shape == shape and t.max_lr == lr and s.shape == FULL
+        pre = yaml.safe_load(write_configs(t, Paths(t.out), again)["pretrain"].read_text())
+        assert pre["Model"]["hidden_size"] == shape.hidden and pre["Optimizer"]["lr"]["max_lr"] == lr
+        assert pre["Model"]["vocab_size"] == 4096
+    assert trained_settings(s, fixed) is s
+
+
+def test_demo_vocabulary_default_depends_on_quick():
+    from gptforge.demo.plan import QUICK_VOCAB, VOCAB, Settings
+
+    assert Settings(out="x").vocab_size == VOCAB == 4096
+    assert Settings(out="x", quick=True).vocab_size == QUICK_VOCAB
+    assert Settings(out="x", vocab_size=1024).vocab_size == 1024

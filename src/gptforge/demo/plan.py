@@ -3,8 +3,8 @@ recipes it writes into `<out>/configs/` (the reproduction commands in the report
 
 Step counts come from a measured training step of the demo's shape on this machine
 (`calibrate`), so a slower machine trains fewer steps instead of overrunning the budget, and a
-GPU trains more (up to a cap). The shares of the budget are fixed: pretraining 58%, each of the
-four fine-tuning runs (QAT, QAT after analysis, pruning, pruned + QAT) 6.5%; everything else
+GPU trains more (up to a cap). The shares of the budget are fixed: pretraining 64%, each of the
+four fine-tuning runs (QAT, QAT after analysis, pruning, pruned + QAT) 5%; everything else
 (data preparation, evaluations, analysis, exports) takes the rest.
 """
 
@@ -19,10 +19,12 @@ from pathlib import Path
 
 import yaml
 
-# 58%: with the 2-layer model the stages other than training take ~30 s on 2 quiet cores (a run
-# with 45% ended at 7.5 of its 12 minutes); the rest of the budget is kept for a busier machine.
-PRETRAIN_SHARE = 0.58
-FINETUNE_SHARE = 0.065
+# 64%: with the 2-layer models the stages other than training take ~35 s on 2 quiet cores (a run
+# with 58% ended at 10:56 of its 12 minutes, its four fine-tunes taking 190 s); the rest of the
+# budget is kept for a busier machine. The float model is what the demo's quality rests on, so
+# pretraining gets the time the fine-tunes can spare (they start from it and need few steps).
+PRETRAIN_SHARE = 0.64
+FINETUNE_SHARE = 0.05
 QAT_STEP_COST = 1.4  # a fake-quant training step costs about this many float steps (measured: 1.1-1.3)
 PRETRAIN_MAX = 6000  # pretraining steps at most (~2.6 passes over the built-in corpus' training split)
 TRAINER_OVERHEAD = 1.15  # the trainer's step (data, clipping, logging, evals, checkpoints) vs the bare step timed
@@ -42,13 +44,24 @@ class Shape:
 # pretraining on 2 cores, 2 layers that see twice the tokens beat 4 layers (1.66 vs 1.74-1.78 bits/byte).
 FULL = Shape(hidden=128, layers=2, heads=4, ffn=512, seq=128, batch=16)
 QUICK = Shape(hidden=64, layers=2, heads=2, ffn=256, seq=64, batch=8)
-# When the budget buys fewer than SMALL_BELOW steps of FULL (a busy or slow machine), a narrower
-# model that takes ~45% more steps in the same time does better (sweep round 5, at the steps a
-# busy 2-core machine buys: hidden 96 1.815 bits/byte vs FULL's 1.855; at a quiet machine's 4780
-# steps FULL wins, 1.629 vs 1.671).
-SMALL = Shape(hidden=96, layers=2, heads=3, ffn=384, seq=128, batch=16)
-SMALL_LR = 4.0e-3
-SMALL_BELOW = 3000
+# The model follows the budget, measured in planned steps of FULL (sweep rounds 6-7, with the
+# 4096-token vocabulary): a quiet 2-core machine's budget (~4000 steps of FULL) is best spent on a
+# wider model, LARGE (1.588 vs 1.598 bits/byte), a busy one's (~1400) on FULL (1.793; hidden 96:
+# 1.888).
+LARGE = Shape(hidden=160, layers=2, heads=5, ffn=640, seq=128, batch=16)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A shape the plan may train, its max learning rate, and the budget it is trained from."""
+
+    shape: Shape
+    max_lr: float
+    from_full_steps: int  # trained when the budget buys at least this many steps of FULL
+
+
+LADDER = (Choice(LARGE, 3.0e-3, 2500), Choice(FULL, 3.0e-3, 0))
+VOCAB, QUICK_VOCAB = 4096, 2048  # sweep round 6: 4096 tokens beat 2048 at equal time (1.598 vs 1.619)
 
 
 @dataclass
@@ -58,7 +71,7 @@ class Settings:
     out: str
     quick: bool = False
     minutes: float = 12.0  # the time budget for the whole demo
-    vocab_size: int = 2048
+    vocab_size: int = 0  # 0: the demo's choice, VOCAB (QUICK_VOCAB with --quick)
     weight_bits: int = 8
     prune_ratio: float = 0.25
     top_k: int | None = None  # layers left float after the analysis (default: the analysis' suggestion)
@@ -70,6 +83,10 @@ class Settings:
     min_lr: float = 3.0e-4
     warmup_rate: float = 0.02
     beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if not self.vocab_size:
+            self.vocab_size = QUICK_VOCAB if self.quick else VOCAB
 
     def fingerprint(self) -> dict:
         d = asdict(self)
@@ -84,7 +101,7 @@ class Steps:
     finetune: int
     device: str
     threads: int = 0  # CPU threads the demo trains with (0: torch's default; states written before it)
-    shape: dict | None = None  # the shape trained when the plan chose SMALL (None: the settings' shape)
+    shape: dict | None = None  # the shape trained when the plan chose another rung of LADDER (None: the settings' shape)
     max_lr: float | None = None
     min_lr: float | None = None
 
@@ -97,8 +114,8 @@ def calibrate(s: Settings, adapt_shape: bool = True) -> Steps:
     one (measured on 2 cores with two other busy processes: 264-305 ms a step with 2 threads,
     198-206 ms with 1). The faster count is kept for the whole demo (`Steps.threads`).
 
-    With the default shape and `adapt_shape`, a budget that buys fewer than `SMALL_BELOW` steps
-    of it (a slow or busy machine) trains the smaller `SMALL` shape instead (`Steps.shape`)."""
+    With the default shape and `adapt_shape`, the budget measured in steps of FULL picks the
+    shape from LADDER (`Steps.shape`): wider on a fast machine, narrower on a slow or busy one."""
     import torch
 
     from gptforge.device import select_device
@@ -120,11 +137,18 @@ def calibrate(s: Settings, adapt_shape: bool = True) -> Steps:
     else:
         step_s = timed()
     steps = _fit(s, step_s * TRAINER_OVERHEAD, str(dev), threads)
-    if adapt_shape and not s.quick and s.shape == FULL and steps.pretrain < SMALL_BELOW:
-        small = replace(s, shape=SMALL, max_lr=SMALL_LR, min_lr=SMALL_LR / 10)
-        steps = _fit(small, _step_timer(small, dev)() * TRAINER_OVERHEAD, str(dev), threads)
-        steps.shape, steps.max_lr, steps.min_lr = asdict(SMALL), SMALL_LR, SMALL_LR / 10
+    if adapt_shape and not s.quick and s.shape == FULL:
+        pick = choose(steps.pretrain)
+        if pick.shape != FULL:
+            other = replace(s, shape=pick.shape, max_lr=pick.max_lr, min_lr=pick.max_lr / 10)
+            steps = _fit(other, _step_timer(other, dev)() * TRAINER_OVERHEAD, str(dev), threads)
+            steps.shape, steps.max_lr, steps.min_lr = asdict(pick.shape), pick.max_lr, pick.max_lr / 10
     return steps
+
+
+def choose(full_steps: int) -> Choice:
+    """The rung of LADDER for a budget of `full_steps` pretraining steps of FULL."""
+    return next(c for c in LADDER if full_steps >= c.from_full_steps)
 
 
 def trained_settings(s: Settings, steps: Steps) -> Settings:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gptforge import __version__
-from gptforge.demo.plan import SMALL_BELOW, Steps, pretrained_steps, threads_text, trained_settings
+from gptforge.demo.plan import FULL, LADDER, Shape, Steps, pretrained_steps, threads_text, trained_settings
 
 PLOTS = {"loss": "loss_curve.png", "sensitivity": "sensitivity.png", "tradeoff": "speed_quality.png"}
 
@@ -153,11 +153,16 @@ def _checks(d, rows: dict) -> list[tuple[str, str, str]]:
     return out
 
 
-def _small_note(steps: dict) -> str:
+def _shape_note(steps: dict) -> str:
+    """Why the plan trained another shape than the default (empty when it did not)."""
     if not steps.get("shape"):
         return ""
-    return (f" (the smaller shape: this machine's budget bought fewer than {SMALL_BELOW} steps of the default "
-            "hidden-128 model, where the narrower one learns more in the same time)")
+    shape = Shape(**steps["shape"])
+    pick = next((c for c in LADDER if c.shape == shape), None)
+    if pick is None:  # a demo planned by another version
+        return " (the shape the plan chose for this machine's budget)"
+    return (f" (the wider shape: this machine's budget bought at least {pick.from_full_steps} steps of the "
+            f"default hidden-{FULL.hidden} model, where the wider one learns more in the same time)")
 
 
 def _threads(steps: dict) -> str:
@@ -277,7 +282,7 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"corpus: the built-in corpus (this Python's standard library), {data['tokens']:,} tokens in "
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
-        f"seq {s.shape.seq}, batch {s.shape.batch}{_small_note(steps)}; a training step measured at "
+        f"seq {s.shape.seq}, batch {s.shape.batch}{_shape_note(steps)}; a training step measured at "
         f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining {_pretrained(d, steps)}; "
         f"fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
