@@ -75,6 +75,10 @@ GRID: dict[str, tuple] = {
     # round 7 (a busy machine's budget) with the larger tokenizer
     "h96_v4k": (96, 2, 3, 384, 128, 16, 4096, 4e-3),
     "h128_v4k_busy": (128, 2, 4, 512, 128, 16, 4096, 3e-3),
+    # round 9: Muon (torch.optim.Muon, AdamW-matched lr) on the blocks' matrices, both budgets
+    "h160_v4k_muon": (160, 2, 5, 640, 128, 16, 4096, 3e-3, {"optimizer": "Muon"}),
+    "h128_v4k_muon": (128, 2, 4, 512, 128, 16, 4096, 3e-3, {"optimizer": "Muon"}),
+    "h160_v4k_muon_lr15": (160, 2, 5, 640, 128, 16, 4096, 1.5e-3, {"optimizer": "Muon"}),
 }
 
 
@@ -89,7 +93,8 @@ class Point:
     batch: int
     vocab: int
     max_lr: float
-    extra: dict = field(default_factory=dict)  # other Settings fields: min_lr (default max_lr / 10), beta2
+    extra: dict = field(default_factory=dict)  # other Settings fields: min_lr (default max_lr / 10), beta2,
+    # optimizer (default FusedAdamW, as rounds 1-8 ran; the demo's own default is Muon since round 9)
 
 
 def point(name: str) -> Point:
@@ -159,7 +164,7 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, ste
     src = data / f"v{pt.vocab}"
     s = Settings(out=str(d), minutes=seconds / 60 / PRETRAIN_SHARE, vocab_size=pt.vocab, device=device,
                  shape=Shape(pt.hidden, pt.layers, pt.heads, pt.ffn, pt.seq, pt.batch), max_lr=pt.max_lr,
-                 **{"min_lr": pt.max_lr / 10, **pt.extra})
+                 **{"min_lr": pt.max_lr / 10, "optimizer": "FusedAdamW", **pt.extra})
     p = Paths(d)
     for link, target in ((p.tokenizer, src / "tokenizer"), (p.data, src / "data")):
         if not link.exists():

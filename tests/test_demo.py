@@ -289,9 +289,14 @@ def test_plan_follows_the_budget_with_the_model_shape(tmp_path):
         t = trained_settings(s, again)
         lr = steps.max_lr or s.max_lr
         assert t.shape == shape and t.max_lr == lr and s.shape == FULL
-        pre = yaml.safe_load(write_configs(t, Paths(t.out), again)["pretrain"].read_text())
+        written = write_configs(t, Paths(t.out), again)
+        pre = yaml.safe_load(written["pretrain"].read_text())
         assert pre["Model"]["hidden_size"] == shape.hidden and pre["Optimizer"]["lr"]["max_lr"] == lr
         assert pre["Model"]["vocab_size"] == 4096
+        # pretraining with Muon (sweep round 9); the fine-tunes keep the reference's AdamW
+        assert pre["Optimizer"]["name"] == "Muon"
+        assert [yaml.safe_load(written[k].read_text())["Optimizer"]["name"] for k in ("qat", "prune")] == [
+            "FusedAdamW", "FusedAdamW"]
     assert trained_settings(s, fixed) is s
 
 

@@ -73,6 +73,64 @@ def test_adamw_step_equals_torch_adamw_with_hand_made_groups():
         assert torch.allclose(pa, pb, atol=1e-7, rtol=0), n
 
 
+def test_muon_steps_equal_torch_muon_and_adamw_on_their_parameters():
+    """`Optimizer.name: Muon` equals torch.optim.Muon (AdamW-matched lr) on the blocks' 2-D weights
+    plus torch.optim.AdamW on the rest, groups built by hand; three steps, bit for bit (the same
+    fused AdamW kernel: Newton-Schulz turns a last-bit difference into 1e-4 within two steps)."""
+    cfg = tiny_config("Optimizer.name=Muon", "Optimizer.muon_momentum=0.9")
+    a = build_model(cfg.Model)
+    b = build_model(cfg.Model)
+    b.load_state_dict(a.state_dict())
+    opt_a = build_optimizer(a, cfg.Optimizer)
+    Scheduler(opt_a, LRSchedule("Constant", 3e-3, 0, 1, 0))
+    named = dict(b.named_parameters())
+    matrices = [n for n, p in named.items() if n.startswith("blocks.") and p.ndim == 2]
+    assert len(matrices) == 4 * cfg.Model.num_layers and "wte.weight" not in matrices
+    muon = torch.optim.Muon([named[n] for n in matrices], lr=3e-3, weight_decay=0.01, momentum=0.9,
+                            adjust_lr_fn="match_rms_adamw")
+    rest = [n for n in named if n not in matrices]
+    adamw = torch.optim.AdamW([{"params": [named[n] for n in rest if named[n].ndim == 2], "weight_decay": 0.01},
+                               {"params": [named[n] for n in rest if named[n].ndim < 2], "weight_decay": 0.0}],
+                              lr=3e-3, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    x = torch.randint(0, 4096, (2, 16))
+    for _ in range(3):
+        for m, step in ((a, [opt_a]), (b, [muon, adamw])):
+            m(x, labels=x).loss.backward()
+            for o in step:
+                o.step()
+                o.zero_grad()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+    # The two optimizers' moments are one state_dict, in param_groups order, loadable again.
+    sd = opt_a.state_dict()
+    assert len(sd["state"]) == len(named) and len(sd["param_groups"]) == len(opt_a.param_groups) == 3
+    fresh = build_optimizer(a, cfg.Optimizer)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(fresh.state[p]["momentum_buffer"], opt_a.state[p]["momentum_buffer"])
+               for p in opt_a.parts[1].param_groups[0]["params"])
+    assert fresh.param_groups[2] is fresh.parts[1].param_groups[0]  # a schedule still reaches Muon
+
+
+def test_muon_errors_name_the_key():
+    model, cfg = tiny_model("Optimizer.name=Muon")
+    with pytest.raises(ValueError, match="parameter groups"):  # an AdamW state into Muon: load refuses
+        build_optimizer(model, cfg.Optimizer).load_state_dict(
+            build_optimizer(model, tiny_config().Optimizer).state_dict())
+    cfg.Optimizer.muon_momentum = 1.0
+    with pytest.raises(ConfigError, match=r"^Optimizer.muon_momentum: 1.0 must be in \[0, 1\)"):
+        build_optimizer(model, cfg.Optimizer)
+    cfg.Optimizer.muon_momentum = 0.95
+
+    class Shard(nn.Parameter):  # stands for a DTensor shard: not a whole matrix
+        pass
+
+    model.blocks[0].linear1.weight = Shard(model.blocks[0].linear1.weight.detach())
+    with pytest.raises(ConfigError, match=r"^Optimizer.name: Muon needs whole weight matrices"):
+        build_optimizer(model, cfg.Optimizer)
+    with pytest.raises(ConfigError, match=r"^Optimizer.name: 'Lion' is not supported; choose one of .*Muon"):
+        build_optimizer(model, tiny_config("Optimizer.name=Lion").Optimizer)
+
+
 # -------------------------------------------------------------------------------- schedule
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gptforge.errors import CheckpointError
 from gptforge.model_io import load_run_config
 from gptforge.train import NonFiniteLossError, Trainer, pretrain
 from gptforge.train import checkpoint as ckpt
@@ -51,9 +52,11 @@ def test_loss_falls_and_lr_follows_the_schedule(tmp_path):
     assert list((tmp_path / "out" / "tensorboard").iterdir())
 
 
-def test_exact_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("optimizer", ["FusedAdamW", "Muon"])
+def test_exact_resume_is_bit_identical(tmp_path, optimizer):
     """N steps straight == N/2, then a new Trainer resuming from the step-N/2 checkpoint."""
-    over = ("Optimizer.grad_clip.clip_norm=0.5", "Engine.eval_freq=2", "Data.Train.loader.num_workers=1")
+    over = ("Optimizer.grad_clip.clip_norm=0.5", "Engine.eval_freq=2", "Data.Train.loader.num_workers=1",
+            f"Optimizer.name={optimizer}")
     a = _train(train_config(tmp_path / "a", *over, dropout=0.1, steps=8))
     assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "a" / "out")] == ["step_4", "step_8"]
 
@@ -75,6 +78,12 @@ def test_exact_resume_is_bit_identical(tmp_path):
     assert all(state_equal(oa[k], ob[k]) for k in oa)
     meta = ckpt.read_meta(tmp_path / "b" / "out" / "step_8")
     assert meta["consumed_samples"] == 32 and meta["eval_batches"] == 8
+    if optimizer == "Muon":  # its momentum buffers were saved and restored, not restarted
+        assert sum("momentum_buffer" in v for v in ob.values()) == 4 * 2
+        other = train_config(tmp_path / "c", f"Engine.save_load.ckpt_dir={tmp_path / 'a' / 'out' / 'step_4'}",
+                             steps=8)  # resumed with another optimizer: one line naming the file
+        with pytest.raises(CheckpointError, match=r"training_state.pt: optimizer state does not fit .*parameter groups"):
+            _train(other)
 
 
 KILLER = textwrap.dedent("""

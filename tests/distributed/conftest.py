@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist_common import DROP, PARITY, SAVE_AT, SHARD, STEPS, launch, single_run
+from dist_common import DROP, MUON, PARITY, SAVE_AT, SHARD, STEPS, launch, single_run
 
 
 def _jobs(root: Path) -> list[dict]:
@@ -26,6 +26,8 @@ def _jobs(root: Path) -> list[dict]:
         {"name": "ddp_drop_resume", "overrides": DROP, "steps": 4,
          "resume": str(root / "runs" / "ddp_drop" / "step_2")},
         {"name": "tp_drop", "overrides": (*DROP, "Distributed.mp_degree=2"), "steps": 2, "all_ranks": True},
+        {"name": "ddp_muon", "overrides": (*MUON, f"Engine.save_load.save_steps={SAVE_AT}")},
+        {"name": "ddp_muon_resume", "overrides": MUON, "resume": str(root / "runs" / "ddp_muon" / f"step_{SAVE_AT}")},
     ]
 
 
@@ -51,5 +53,6 @@ def pp_runs(tmp_path_factory):
     jobs = [{"name": f"pp_{s}", "overrides": pp_overrides(s, PP_SAVE)} for s in FAST]
     jobs.append({"name": "w1_to_pp", "overrides": pp_overrides("1F1B"),
                  "resume": str(root / "runs" / "single" / f"step_{SAVE_AT}")})
+    jobs.append({"name": "pp_muon", "overrides": pp_overrides("1F1B", *MUON)})
     launch(root, jobs, nproc=2)
     return root, single

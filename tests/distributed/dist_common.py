@@ -17,6 +17,7 @@ STEPS, SAVE_AT = 5, 3
 SHARD = ("Distributed.sharding.sharding_degree=2",)
 MICRO1 = ("Global.micro_batch_size=1",)  # 2 micro-batches per rank: accumulation under no_sync
 DROP = ("Model.hidden_dropout_prob=0.1", "Model.attention_probs_dropout_prob=0.1")
+MUON = ("Optimizer.name=Muon",)
 # world-2 runs compared step by step with the single-process run ("tp" goes through the CLI)
 PARITY = {
     "ddp": MICRO1,

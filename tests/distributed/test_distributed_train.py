@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dist_common import PARITY, SAVE_AT, STEPS, result, single_run
+from dist_common import MUON, PARITY, SAVE_AT, STEPS, result, single_run
 
 from gptforge.train import checkpoint as ckpt
 
@@ -26,6 +26,19 @@ def test_world2_losses_equal_single_process(dist_runs, name):
     assert [s for s, _ in got["eval"]] == [s for s, _ in single.eval_losses] == [4]
     assert [v for _, v in got["eval"]] == pytest.approx([v for _, v in single.eval_losses], abs=TOL, rel=0)
     assert single.losses[-1] < single.losses[0] - 0.1  # it trained: parity is not of a constant
+
+
+def test_world2_muon_equals_single_process_and_resumes(dist_runs):
+    """Data parallel with Muon: every rank orthogonalizes the same all-reduced gradient; its
+    state goes through the distributed checkpoint and back."""
+    root, _ = dist_runs
+    single = single_run(root, "single_muon", *MUON)
+    got = result(root, "ddp_muon")
+    # Newton-Schulz magnifies the last-bit differences of the all-reduce's summation order.
+    assert got["losses"] == pytest.approx(single.losses, abs=1e-4, rel=0)
+    assert single.losses[-1] < single.losses[0] - 0.1
+    resumed = result(root, "ddp_muon_resume")
+    assert resumed["losses"] == pytest.approx(got["losses"][SAVE_AT:], abs=1e-6, rel=0)
 
 
 def test_distributed_saves_are_atomic_and_keep_last(dist_runs):

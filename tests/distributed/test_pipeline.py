@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_common import (
     FAST,
+    MUON,
     PP_L4,
     PP_MICRO1,
     SAVE_AT,
@@ -63,6 +64,15 @@ def _check_parity(root, single, name):
 def test_pp2_equals_single_process(pp_runs, schedule):
     root, single = pp_runs
     _check_parity(root, single, f"pp_{schedule}")
+
+
+def test_pp2_muon_equals_single_process(pp_runs):
+    """Each stage's Muon orthogonalizes its own blocks' matrices: the same update as one process."""
+    root, _ = pp_runs
+    single = single_run(root, "single_muon", PP_L4, PP_MICRO1, *MUON)
+    got = result(root, "pp_muon")
+    assert got["losses"] == pytest.approx(single.losses, abs=1e-4, rel=0)  # Newton-Schulz: see the DDP test
+    assert single.losses[-1] < single.losses[0] - 0.1
 
 
 @pytest.mark.slow

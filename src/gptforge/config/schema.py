@@ -146,11 +146,12 @@ class GradClipConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "FusedAdamW"  # FusedAdamW | AdamW
+    name: str = "FusedAdamW"  # FusedAdamW | AdamW | Muon (blocks' matrices; AdamW for the rest)
     weight_decay: float = 0.01  # on 2-D weights incl. embeddings; never on biases or LayerNorm
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1.0e-8
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (Optimizer.name: Muon only)
     lr: LRConfig = field(default_factory=LRConfig)
     grad_clip: GradClipConfig = field(default_factory=GradClipConfig)
     tensor_fusion: bool = False  # accepted; the fused/foreach AdamW kernels are used when available

@@ -283,7 +283,8 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
         f"seq {s.shape.seq}, batch {s.shape.batch}{_shape_note(steps)}; a training step measured at "
-        f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining {_pretrained(d, steps)}; "
+        f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining {_pretrained(d, steps)} "
+        f"({_optimizer(s)}, lr {s.max_lr:g} to {s.min_lr:g}); "
         f"fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
@@ -354,6 +355,12 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
     page = p.out / "report.html"
     page.write_text(doc.html(), encoding="utf-8")
     return {"md": md, "html": page, **plots}
+
+
+def _optimizer(s) -> str:
+    if s.optimizer == "Muon":
+        return "Muon on the blocks' matrices, AdamW on the rest"
+    return s.optimizer
 
 
 def _pretrained(d, steps: dict) -> str:

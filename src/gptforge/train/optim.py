@@ -1,5 +1,5 @@
-"""AdamW with the reference's parameter groups, its learning-rate schedules (measured in samples)
-and global-norm gradient clipping (spec §3).
+"""AdamW with the reference's parameter groups (or Muon on the blocks' matrices), its learning-rate
+schedules (measured in samples) and global-norm gradient clipping (spec §3).
 
 The schedule is a pure function of *consumed samples* `t`: optimizer step k uses `lr(k·gbs)`,
 and a step whose update was skipped (fp16 overflow) does not advance `t`. Parameter groups
@@ -10,7 +10,8 @@ carry an `lr_mult` key so that a caller can give some parameters their own learn
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -19,7 +20,10 @@ from gptforge.config.schema import Config, OptimizerConfig
 from gptforge.errors import ConfigError
 
 SCHEDULES = ("CosineAnnealingWithWarmupDecay", "LinearDecayWithWarmup", "Constant")
-OPTIMIZERS = ("FusedAdamW", "AdamW")
+OPTIMIZERS = ("FusedAdamW", "AdamW", "Muon")
+# Muon orthogonalizes the update of the transformer blocks' 2-D weights; embeddings, the LM head,
+# biases, norms, scalars and 3-D (stacked MoE) tensors stay with AdamW, as Muon's authors use it.
+_MUON_PARAM = re.compile(r"(^|\.)blocks\.\d+\.")
 
 
 # ------------------------------------------------------------------------- param groups
@@ -58,20 +62,119 @@ def _fused_ok(params: Iterable[torch.Tensor]) -> bool:
                and type(p) is nn.Parameter for p in params)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, lr 0 until the schedule sets it.
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters, lr 0 until the schedule sets it.
 
     `FusedAdamW` uses torch's fused kernel when every parameter is a plain tensor on a
     supported device (else the foreach kernel); `AdamW` always uses foreach. Both are the
-    decoupled-weight-decay update of the reference.
+    decoupled-weight-decay update of the reference. `Muon`: `torch.optim.Muon` on the blocks'
+    2-D weights with its lr scaled to match AdamW's update size (so `max_lr` and `weight_decay`
+    carry over), AdamW on everything else (`MuonAdamW`).
     """
     if cfg.name not in OPTIMIZERS:
-        raise ConfigError(f"Optimizer.name: {cfg.name!r} is not supported; choose {' or '.join(OPTIMIZERS)}")
+        raise ConfigError(f"Optimizer.name: {cfg.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
     groups = param_groups(model, cfg.weight_decay)
-    params = [p for g in groups for p in g["params"]]
-    fused = cfg.name == "FusedAdamW" and _fused_ok(params)
+    if cfg.name == "Muon":
+        return _muon_adamw(groups, cfg)
+    return _adamw(groups, cfg, fused=cfg.name == "FusedAdamW")
+
+
+def _adamw(groups: list[dict], cfg: OptimizerConfig, fused: bool) -> torch.optim.AdamW:
+    fused = fused and _fused_ok(p for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=0.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.epsilon,
                              weight_decay=cfg.weight_decay, fused=fused or None, foreach=None if fused else True)
+
+
+def _muon_adamw(groups: list[dict], cfg: OptimizerConfig) -> MuonAdamW:
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise ConfigError(f"Optimizer.muon_momentum: {cfg.muon_momentum} must be in [0, 1)")
+    muon, adamw = [], []
+    for g in groups:
+        picked = [_MUON_PARAM.search(n) is not None and p.ndim == 2 for n, p in zip(g["names"], g["params"], strict=True)]
+        for into, want in ((muon, True), (adamw, False)):
+            names = [n for n, k in zip(g["names"], picked, strict=True) if k == want]
+            if names:
+                into.append({**g, "names": names,
+                             "params": [p for p, k in zip(g["params"], picked, strict=True) if k == want]})
+    if not muon:
+        raise ConfigError("Optimizer.name: Muon found no 2-D weights in the model's blocks to orthogonalize; "
+                          "use FusedAdamW")
+    if any(type(p) is not nn.Parameter for g in muon for p in g["params"]):
+        raise ConfigError("Optimizer.name: Muon needs whole weight matrices and this run shards them "
+                          "(tensor or sharding parallel); use FusedAdamW, or data / pipeline parallel")
+    return MuonAdamW(_adamw(adamw, cfg, fused=True) if adamw else None,
+                     torch.optim.Muon(muon, lr=0.0, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                                      adjust_lr_fn="match_rms_adamw"))
+
+
+class _States(Mapping):
+    """The parts' per-parameter states as one read-only mapping (theirs are defaultdicts, which
+    would answer a parameter of the other part with an empty state)."""
+
+    def __init__(self, states: list[dict]):
+        self.states = states
+
+    def __getitem__(self, p):
+        for s in self.states:
+            if p in s:
+                return s[p]
+        raise KeyError(p)
+
+    def __iter__(self) -> Iterator:
+        return (p for s in self.states for p in s)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.states)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """`torch.optim.Muon` and `torch.optim.AdamW` stepped as one optimizer.
+
+    `param_groups` are the two optimizers' own group dicts (AdamW's first), so a schedule that
+    sets `lr` reaches both; `state_dict` is torch's format over that order (parameter indices
+    run through AdamW's groups, then Muon's), so checkpoints and resumes work as for AdamW.
+    """
+
+    def __init__(self, adamw: torch.optim.AdamW | None, muon: torch.optim.Muon):
+        self.parts = [o for o in (adamw, muon) if o is not None]
+        super().__init__([g for o in self.parts for g in o.param_groups], {})
+        # Optimizer.__init__ re-registers the same dicts; the state lives in the two parts.
+        self.param_groups = [g for o in self.parts for g in o.param_groups]
+        self.state = _States([o.state for o in self.parts])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for o in self.parts:
+            o.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for o in self.parts:
+            sd = o.state_dict()
+            state.update({k + offset: v for k, v in sd["state"].items()})
+            groups += [{**g, "params": [i + offset for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in o.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the saved optimizer has {len(saved)} parameter groups, this Muon + AdamW one "
+                             f"{len(self.param_groups)} (was it saved by another Optimizer.name?)")
+        first = 0
+        for o in self.parts:
+            # Keys are indices (ours) or parameter names (torch.distributed.checkpoint): torch
+            # pairs a group's saved keys with its own parameters by position either way.
+            mine = saved[first:first + len(o.param_groups)]
+            keys = {k for g in mine for k in g["params"]}
+            o.load_state_dict({"state": {k: v for k, v in state_dict["state"].items() if k in keys},
+                               "param_groups": mine})
+            first += len(o.param_groups)
+        # load_state_dict gives each part new group dicts and a new state: share them again.
+        self.param_groups = [g for o in self.parts for g in o.param_groups]
+        self.state = _States([o.state for o in self.parts])
 
 
 # ------------------------------------------------------------------------------ schedule

@@ -101,6 +101,8 @@ def split_param_groups(optimizer: torch.optim.Optimizer) -> None:
     one mesh), keeping every group option and the `names` alignment."""
     if any(optimizer.state.values()):
         raise RuntimeError("split_param_groups must run before the optimizer has state")
+    if all(len({_mesh_key(p) for p in g["params"]}) <= 1 for g in optimizer.param_groups):
+        return  # nothing mixes kinds (data parallel): keep the groups, which an optimizer may share
     groups = []
     for g in optimizer.param_groups:
         names = g.get("names") or [None] * len(g["params"])
