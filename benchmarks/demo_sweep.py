@@ -79,6 +79,9 @@ GRID: dict[str, tuple] = {
     "h160_v4k_muon": (160, 2, 5, 640, 128, 16, 4096, 3e-3, {"optimizer": "Muon"}),
     "h128_v4k_muon": (128, 2, 4, 512, 128, 16, 4096, 3e-3, {"optimizer": "Muon"}),
     "h160_v4k_muon_lr15": (160, 2, 5, 640, 128, 16, 4096, 1.5e-3, {"optimizer": "Muon"}),
+    "h192_v4k_muon": (192, 2, 6, 768, 128, 16, 4096, 3e-3, {"optimizer": "Muon"}),
+    "h160_v4k_muon_d2z": (160, 2, 5, 640, 128, 16, 4096, 3e-3, {"optimizer": "Muon", "min_lr": 0.0}),
+    "h160_v4k_muon_wd1": (160, 2, 5, 640, 128, 16, 4096, 3e-3, {"optimizer": "Muon", "weight_decay": 0.1}),
 }
 
 
@@ -94,7 +97,8 @@ class Point:
     vocab: int
     max_lr: float
     extra: dict = field(default_factory=dict)  # other Settings fields: min_lr (default max_lr / 10), beta2,
-    # optimizer (default FusedAdamW, as rounds 1-8 ran; the demo's own default is Muon since round 9)
+    # optimizer and weight_decay (default FusedAdamW and 0.01, as the rounds ran unless a point says
+    # otherwise; the demo's own defaults are Muon and 0.1 since round 9)
 
 
 def point(name: str) -> Point:
@@ -164,7 +168,7 @@ def run_point(pt: Point, data: Path, out: Path, seconds: float, device: str, ste
     src = data / f"v{pt.vocab}"
     s = Settings(out=str(d), minutes=seconds / 60 / PRETRAIN_SHARE, vocab_size=pt.vocab, device=device,
                  shape=Shape(pt.hidden, pt.layers, pt.heads, pt.ffn, pt.seq, pt.batch), max_lr=pt.max_lr,
-                 **{"min_lr": pt.max_lr / 10, "optimizer": "FusedAdamW", **pt.extra})
+                 **{"min_lr": pt.max_lr / 10, "optimizer": "FusedAdamW", "weight_decay": 0.01, **pt.extra})
     p = Paths(d)
     for link, target in ((p.tokenizer, src / "tokenizer"), (p.data, src / "data")):
         if not link.exists():
@@ -238,6 +242,8 @@ def run_all(args) -> None:
                "--point", name, "--seconds", str(args.seconds), "--device", args.device]
         if args.steps:
             cmd += ["--steps", str(args.steps)]
+        if args.fit:
+            cmd += ["--fit"]
         log = open(Path(args.out) / f"{name.replace(':', '@')}.log", "w")  # noqa: SIM115 (held by the child until it exits)
         procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
         if args.busy or name.endswith(":busy"):

@@ -283,8 +283,8 @@ def write_report(d, rows: dict, seconds: float) -> dict[str, Path]:
         f"{data['documents']:,} documents, BPE of {s.vocab_size} tokens learned from it",
         f"model: {s.shape.layers} layers, hidden {s.shape.hidden}, {s.shape.heads} heads, FFN {s.shape.ffn}, "
         f"seq {s.shape.seq}, batch {s.shape.batch}{_shape_note(steps)}; a training step measured at "
-        f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining {_pretrained(d, steps)} "
-        f"({_optimizer(s)}, lr {s.max_lr:g} to {s.min_lr:g}); "
+        f"{steps['step_seconds'] * 1e3:.0f} ms{_threads(steps)}; pretraining ({_optimizer(s)}, lr {s.max_lr:g} to "
+        f"{s.min_lr:g}): {_pretrained(d, steps)}; "
         f"fine-tunes re-fitted to the budget left: {_refits(d, steps)}",
     ])
     doc.h(2, "Results")
