@@ -116,10 +116,11 @@ def test_muon_errors_name_the_key():
     with pytest.raises(ValueError, match="parameter groups"):  # an AdamW state into Muon: load refuses
         build_optimizer(model, cfg.Optimizer).load_state_dict(
             build_optimizer(model, tiny_config().Optimizer).state_dict())
-    cfg.Optimizer.muon_momentum = 1.0
-    with pytest.raises(ConfigError, match=r"^Optimizer.muon_momentum: 1.0 must be in \[0, 1\)"):
-        build_optimizer(model, cfg.Optimizer)
-    cfg.Optimizer.muon_momentum = 0.95
+    # config errors come at load time, before any data or model is built
+    with pytest.raises(ConfigError, match=r"^Optimizer.muon_momentum: must be in \[0, 1\), got 1.0"):
+        tiny_config("Optimizer.name=Muon", "Optimizer.muon_momentum=1.0")
+    with pytest.raises(ConfigError, match=r"^Optimizer.name: Muon needs whole weight matrices, and Distributed.mp_degree"):
+        tiny_config("Optimizer.name=Muon", "Distributed.mp_degree=2")
 
     class Shard(nn.Parameter):  # stands for a DTensor shard: not a whole matrix
         pass

@@ -365,6 +365,13 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"Optimizer.lr.warmup_rate: must be in [0, 1], got {lr.warmup_rate}")
     if cfg.Optimizer.grad_clip.clip_norm < 0:
         raise ConfigError(f"Optimizer.grad_clip.clip_norm: must be >= 0, got {cfg.Optimizer.grad_clip.clip_norm}")
+    o = cfg.Optimizer
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"Optimizer.muon_momentum: must be in [0, 1), got {o.muon_momentum}")
+    if o.name == "Muon" and (d.mp_degree > 1 or d.sharding.sharding_degree > 1):
+        # Newton-Schulz needs each weight matrix whole; tensor and sharding parallel split them.
+        raise ConfigError("Optimizer.name: Muon needs whole weight matrices, and Distributed.mp_degree / "
+                          "sharding.sharding_degree > 1 split them; use FusedAdamW, or data / pipeline parallel")
 
     resolve_model(cfg.Model, d.mp_degree)
     m = cfg.Model

@@ -86,8 +86,6 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig, fused: bool) -> torch.optim
 
 
 def _muon_adamw(groups: list[dict], cfg: OptimizerConfig) -> MuonAdamW:
-    if not 0.0 <= cfg.muon_momentum < 1.0:
-        raise ConfigError(f"Optimizer.muon_momentum: {cfg.muon_momentum} must be in [0, 1)")
     muon, adamw = [], []
     for g in groups:
         picked = [_MUON_PARAM.search(n) is not None and p.ndim == 2 for n, p in zip(g["names"], g["params"], strict=True)]
