@@ -307,8 +307,8 @@ def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
         from gptforge.config.typed import build_section
 
         try:
-            from gptforge.compress.int8 import int8_structure
-            from gptforge.compress.quant import quantize_model
+            from gptforge.transforms.int8 import int8_structure
+            from gptforge.transforms.quant import quantize_model
         except ImportError as e:  # pragma: no cover - part of the package
             raise CheckpointError(f"checkpoint was saved with quantization but it is unavailable ({e})") from None
         qcfg = build_section(QuantizationConfig, quant, "Compress.Quantization")
@@ -338,7 +338,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     sd = _checkpoint_state_dict(p, fmt, model_cfg)
     if not with_structure:
         if ((ck_raw.get("Compress") or {}).get("Quantization") or {}).get("converted"):
-            from gptforge.compress.int8 import dequantize_state_dict
+            from gptforge.transforms.int8 import dequantize_state_dict
 
             sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
         names = set(model.state_dict())

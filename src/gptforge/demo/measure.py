@@ -26,7 +26,7 @@ def shape_params(cfg) -> int:
 
 def describe(model: torch.nn.Module, cfg) -> str:
     """'fp32, 4x128, 4 heads, FFN 512' / 'INT8 (14 of 16 Linears), 4x128, 3 heads, FFN 384'."""
-    from gptforge.compress.prune import layer_shapes_of
+    from gptforge.transforms.prune import layer_shapes_of
 
     heads, ffns = layer_shapes_of(model)
     kinds = [type(m).__name__ for name, m in model.named_modules() if name.count(".") >= 1 and

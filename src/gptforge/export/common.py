@@ -35,8 +35,8 @@ _QUANT_STATE = (".act_scale", ".act_accum", ".act_state", ".pact_alpha", ".weigh
 
 def model_kind(model: nn.Module) -> str:
     """`float`, `fake-quant` or `int8` (see the module docstring)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
     kinds = {type(m) for m in model.modules()}
     if kinds & {Int8Linear, Int8Embedding}:
@@ -62,8 +62,8 @@ def resolve_precision(requested: str, kind: str) -> str:
 @torch.no_grad()
 def folded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The float state dict of `model` with quantization folded (see the module docstring)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear, fake_quant_weight
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear, fake_quant_weight
 
     sd = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith(_QUANT_STATE)}
     for name, mod in model.named_modules():
@@ -92,8 +92,8 @@ def fold_quantization(model: nn.Module) -> nn.Module:
 
 def check_plain_linears(model: nn.Module, what: str) -> None:
     """Refuse structures an export does not know how to write (wrapped or replaced layers)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
     known = (nn.Linear, QuantLinear, Int8Linear)
     for i, blk in enumerate(model.blocks):
