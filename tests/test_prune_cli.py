@@ -74,8 +74,8 @@ def test_global_pruned_model_exports_to_hf_with_equal_logits(tmp_path):
     from transformers import GPT2LMHeadModel
 
     from gf_testutil import tiny_model
-    from gptforge.compress.prune_export import save_pruned_hf_dir
     from gptforge.config.schema import PruneConfig
+    from gptforge.export.hf import save_pruned_hf_dir
     from gptforge.transforms.prune import prune_model
 
     model, cfg = tiny_model("Model.num_layers=3")
