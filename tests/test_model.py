@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from gf_testutil import tiny_model
 from gptforge.config import load_config
-from gptforge.model import build_model, reference_param_count
+from gptforge.config.presets import reference_param_count
+from gptforge.model import build_model
 
 
 @pytest.mark.parametrize("preset,billions", [("345M", 0.355), ("1.3B", 1.314), ("6.7B", 6.654),

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gptforge.config.presets import PRESETS
 from gptforge.durable import publish_dir, recover_aside
 from gptforge.errors import CheckpointError, GPTForgeError
 from gptforge.fsguard import disk_full_errno, disk_full_error
@@ -140,8 +141,6 @@ def _hf_tensors(p: Path) -> dict[str, torch.Tensor]:
 
 
 def _preset_heads(hidden: int, layers: int) -> int | None:
-    from gptforge.model.presets import PRESETS
-
     for shape in PRESETS.values():
         if shape["hidden_size"] == hidden and shape["num_layers"] == layers:
             return shape["num_attention_heads"]
