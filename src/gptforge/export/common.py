@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gptforge.errors import CheckpointError, UsageError
+from gptforge.model.gpt import block_linears
 
 FLOAT, FAKE_QUANT, INT8 = "float", "fake-quant", "int8"
 PRECISIONS = ("auto", "fp32", "int8")
@@ -96,15 +97,14 @@ def check_plain_linears(model: nn.Module, what: str) -> None:
     from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
     known = (nn.Linear, QuantLinear, Int8Linear)
-    for i, blk in enumerate(model.blocks):
-        if getattr(blk, "moe", None) is not None:
-            raise UsageError(f"blocks.{i} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
-                             "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
-        for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
-            mod = blk.get_submodule(name)
-            if not isinstance(mod, known):
-                raise UsageError(f"blocks.{i}.{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "
-                                 "and INT8 Linear layers only")
+    moe = [i for i, blk in enumerate(model.blocks) if getattr(blk, "moe", None) is not None]
+    if moe:
+        raise UsageError(f"blocks.{moe[0]} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
+                         "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
+    for name, mod in block_linears(model):
+        if not isinstance(mod, known):
+            raise UsageError(f"{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "
+                             "and INT8 Linear layers only")
     if not isinstance(model.wte, (nn.Embedding, QuantEmbedding, Int8Embedding)):
         raise UsageError(f"wte is a {type(model.wte).__name__}: {what} cannot write it")
 
