@@ -1,9 +1,9 @@
 """`run_demo`: the whole life cycle on the built-in corpus, one stage after another.
 
-Every stage that a user would run by hand runs the real CLI verb in this process through the
-runner the caller hands in (`gptforge demo` passes `gptforge.cli.main`: the demo sits below the
-CLI and never imports it), so the commands the report prints are exactly what ran. A verb's
-output goes to `<out>/logs/<stage>.log`; training stages also echo their log lines.
+Every stage that a user would run by hand runs the real CLI verb in this process, through the
+runner its caller hands in (`gptforge demo` passes `cli.main`; the demo never imports the CLI),
+so the commands the report prints are exactly what ran. A verb's output goes to
+`<out>/logs/<stage>.log`; training stages also echo their log lines.
 
 Nothing is lost on a crash: `<out>/demo_state.json` records each finished stage (written
 atomically), training stages checkpoint every quarter of their steps and run with
@@ -44,9 +44,9 @@ from gptforge.errors import GPTForgeError, UsageError
 from gptforge.evaluate.common import write_json_atomic
 
 STATE_FORMAT = "gptforge-demo/1"
+VerbRunner = Callable[[list[str]], int]  # runs one verb in this process: argv -> exit code (cli.main)
 
-# Runs one verb in this process: `run_verb(["pretrain", "-c", ...])` -> exit code (`gptforge.cli.main`).
-VerbRunner = Callable[[list[str]], int]
+
 class DemoError(GPTForgeError):
     """A demo stage failed; the message names the stage, its log and how to continue."""
 
@@ -260,8 +260,7 @@ def _metrics(run_dir: Path) -> dict:
 
 
 def run_demo(settings: Settings, run_verb: VerbRunner, force: bool = False, echo: bool = True) -> dict:
-    """Run (or continue) the demo in `settings.out`, each stage's verb through `run_verb`
-    (`gptforge.cli.main`); returns the report's data."""
+    """Run (or continue) the demo in `settings.out`, the verbs through `run_verb`; returns the report's data."""
     import torch
 
     from gptforge.demo.overall import OverallBar, wanted
@@ -294,7 +293,7 @@ def _run_stages(d: Demo) -> dict:
     def data():
         from gptforge.data.indexed import load_token_files
         from gptforge.data.tokenizer import load_tokenizer
-        from gptforge.demo.heldout import write_heldout
+        from gptforge.demo.heldout import write_heldout, xz_bits_per_byte
 
         d.cli("preprocess", "--builtin", "--tokenizer", p.tokenizer, "--output-prefix", p.prefix, "--no-progress")
         tf = load_token_files(p.prefix)
@@ -490,13 +489,6 @@ def _run_stages(d: Demo) -> dict:
     d.records.pop("report", None)
     rep = d.stage(15, N, "report", "write the report", report, lambda o: f"{o['md']}, {o['html']}")
     return {"report": rep, "rows": ev, "stages": {k: asdict(v) for k, v in d.records.items()}}
-
-
-def xz_bits_per_byte(data: bytes) -> float:
-    """What `xz -9e` needs per byte of `data`: the bar a model of the text must beat."""
-    import lzma
-
-    return len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / max(len(data), 1)
 
 
 def _sample_rows(doc: dict) -> list[dict]:
