@@ -43,6 +43,7 @@ test-all: $(VENV)/.deps-test
 
 lint: $(VENV)/.deps-test
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info src/*.egg-info

@@ -55,11 +55,11 @@ def load() -> str:
 
 def build(shape: str, seed: int = 0):
     """(float model, fake-quant model, converted INT8 model, config)."""
-    from gptforge.compress.int8 import convert_model
     from gptforge.compress.ptq import calibrate
-    from gptforge.compress.quant import quantize_model
     from gptforge.config import load_config
     from gptforge.model import build_model
+    from gptforge.transforms.int8 import convert_model
+    from gptforge.transforms.quant import quantize_model
 
     cfg = load_config(overrides=[f"Model.preset={shape}", "Model.hidden_dropout_prob=0",
                                  "Model.attention_probs_dropout_prob=0", "Compress.Quantization.enable=true",

@@ -14,7 +14,7 @@ rounds (fp32 packed, fp32 plain, int8, repeated) so that load from other process
 time after the prompt, prompt (prefill) time, state-dict bytes, and the INT8 model's logits
 against the fake-quant model it came from (SQNR, greedy agreement).
 
-`--kernel-choice`: the INT8 paths `compress/cpu_kernels.py` chooses between, each forced, on one
+`--kernel-choice`: the INT8 paths `transforms/cpu_kernels.py` chooses between, each forced, on one
 Linear: fbgemm `split` vs `plain` and onnxruntime's fused GEMM per storage vs the unfused QDQ
 graph: time, error against exact int8 arithmetic, what the probes say, and what `auto` picks,
 with the CPU (model, flags) and the load average.
@@ -68,9 +68,9 @@ def kernel_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128)) -> None:
     """The INT8 options on this CPU for one Linear: time and error against exact int8 arithmetic."""
     import torch.nn.functional as F
 
-    from gptforge.compress.int8 import Int8Linear
-    from gptforge.compress.quant import QuantLinear
     from gptforge.config.schema import QuantizationConfig
+    from gptforge.transforms.int8 import Int8Linear
+    from gptforge.transforms.quant import QuantLinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N)
@@ -128,10 +128,10 @@ def kernel_choice_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128), rounds: 
     against exact int8 arithmetic of the same integers."""
     import torch.nn.functional as F
 
-    from gptforge.compress import cpu_kernels
-    from gptforge.compress.int8 import Int8Linear, set_kernel
-    from gptforge.compress.quant import QuantLinear
     from gptforge.config.schema import QuantizationConfig
+    from gptforge.transforms import cpu_kernels
+    from gptforge.transforms.int8 import Int8Linear, set_kernel
+    from gptforge.transforms.quant import QuantLinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N, bias=False)
@@ -241,14 +241,14 @@ def main() -> int:
         kernel_choice_table()
         return 0
 
-    from gptforge.compress.cpu_kernels import describe
-    from gptforge.compress.int8 import convert_model, fast_kernel_available
     from gptforge.compress.int8_convert import compare_logits, state_bytes
     from gptforge.compress.ptq import calibrate
-    from gptforge.compress.quant import quantize_model
     from gptforge.config import load_config
     from gptforge.config.schema import QuantizationConfig
     from gptforge.model import build_model
+    from gptforge.transforms.cpu_kernels import describe
+    from gptforge.transforms.int8 import convert_model, fast_kernel_available
+    from gptforge.transforms.quant import quantize_model
 
     print(f"machine: {cpu_name()}; torch {torch.__version__}; fbgemm int8 kernel: {fast_kernel_available()}; "
           f"{describe()}; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

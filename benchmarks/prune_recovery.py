@@ -41,12 +41,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from gptforge.compress.prune import prune_model  # noqa: E402
 from gptforge.compress.prune_run import forward_tokens_per_s, prune_and_finetune  # noqa: E402
-from gptforge.compress.sparsity import SparsityKeeper, compute_masks  # noqa: E402
 from gptforge.config import load_config  # noqa: E402
 from gptforge.config.schema import PruneConfig  # noqa: E402
 from gptforge.model_io import load_model  # noqa: E402
+from gptforge.transforms.prune import prune_model  # noqa: E402
+from gptforge.transforms.sparsity import SparsityKeeper, compute_masks  # noqa: E402
 
 SHAPE = ["Model.preset=mini", "Model.num_attention_heads=8", "Model.num_layers=4", "Model.vocab_size=8192",
          "Model.max_position_embeddings=512"]

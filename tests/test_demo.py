@@ -306,3 +306,21 @@ def test_demo_vocabulary_default_depends_on_quick():
     assert Settings(out="x").vocab_size == VOCAB == 4096
     assert Settings(out="x", quick=True).vocab_size == QUICK_VOCAB
     assert Settings(out="x", vocab_size=1024).vocab_size == 1024
+
+
+def test_stages_run_their_verbs_through_the_runner_handed_in(tmp_path):
+    """The demo sits below the CLI: it runs each verb through the runner its caller hands in
+    (`gptforge demo` passes cli.main) and reports a verb's failure as the stage's."""
+    from gptforge.demo import QUICK, DemoError, Settings, run_demo
+
+    calls = []
+
+    def runner(argv):
+        calls.append(argv)
+        print("refused by the test runner")
+        return 3
+
+    with pytest.raises(DemoError, match=r"stage 'tokenizer' failed: `gptforge tokenizer train .*` exited with 3"):
+        run_demo(Settings(out=str(tmp_path / "run"), quick=True, minutes=2.5, shape=QUICK), runner, echo=False)
+    assert len(calls) == 1 and calls[0][:2] == ["tokenizer", "train"] and all(isinstance(a, str) for a in calls[0])
+    assert "refused by the test runner" in (tmp_path / "run" / "logs" / "tokenizer.log").read_text()

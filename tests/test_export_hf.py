@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from gptforge.compress.quant import set_quant_enabled
 from gptforge.export import save_hf
+from gptforge.transforms.quant import set_quant_enabled
 from test_export_support import peaky_model, pruned_model, qat_model, save
 from test_train_support import small_tokenizer
 
@@ -64,8 +64,8 @@ def test_dense_cli_export_loads_in_transformers(run_cli, tmp_path):
 
 @torch.no_grad()
 def test_uniformly_pruned_model_keeps_its_ffn_width_and_pads_heads(tmp_path):
-    from gptforge.compress.prune import prune_model
     from gptforge.config.schema import PruneConfig
+    from gptforge.transforms.prune import prune_model
 
     model, cfg = peaky_model()
     prune_model(model, PruneConfig(enable=True, ratio=0.25, scope="uniform"))
@@ -80,7 +80,7 @@ def test_uniformly_pruned_model_keeps_its_ffn_width_and_pads_heads(tmp_path):
 
 @torch.no_grad()
 def test_qat_and_int8_models_export_their_folded_weights(tmp_path):
-    from gptforge.compress.int8 import convert_model
+    from gptforge.transforms.int8 import convert_model
 
     fq, cfg = qat_model("Compress.Quantization.quantize_embedding=true")
     int8 = copy.deepcopy(fq)

@@ -60,7 +60,7 @@ def test_fp32_onnx_equals_pytorch_through_the_kv_cache(fp32):
 def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, tmp_path, monkeypatch):
     from onnx import numpy_helper
 
-    from gptforge.compress.quant import quant_modules
+    from gptforge.transforms.quant import quant_modules
 
     src, out = int8
     onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
@@ -84,7 +84,7 @@ def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, t
     fused = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     assert fused.count("MatMulIntegerToFloat") == 8
 
-    from gptforge.compress.cpu_kernels import ORT_GEMM_ENV, ort_gemm_is_exact
+    from gptforge.transforms.cpu_kernels import ORT_GEMM_ENV, ort_gemm_is_exact
 
     monkeypatch.delenv(ORT_GEMM_ENV, raising=False)
     run, meta, mode = _session(out)
@@ -104,8 +104,8 @@ def test_int8_qdq_onnx_has_the_learned_scales_and_agrees_with_fake_quant(int8, t
 
 @torch.no_grad()
 def test_qdq_module_equals_the_fake_quant_model_in_both_encodings():
-    from gptforge.compress.int8 import convert_model
     from gptforge.export.qdq import to_qdq
+    from gptforge.transforms.int8 import convert_model
 
     fq, _ = qat_model("Compress.Quantization.quantize_embedding=true", "Compress.Quantization.weight_quantize_type=abs_max")
     ids = _batch()
@@ -122,8 +122,8 @@ def _one_linear_error(tmp_path, dtype: str, int8_gemm: str, wmax: int = 127) -> 
     """(largest error / largest output against exact int8 arithmetic, the mode used) of one
     Linear with weights in ±wmax and full-range activations in onnxruntime, stored as `dtype`,
     through `make_session`."""
-    from gptforge.compress.cpu_kernels import one_linear_qdq_graph
     from gptforge.export.ort_generate import make_session
+    from gptforge.transforms.cpu_kernels import one_linear_qdq_graph
 
     rng = np.random.default_rng(0)
     w = rng.integers(-wmax, wmax + 1, (256, 64)).astype(np.int8)
@@ -139,7 +139,7 @@ def _one_linear_error(tmp_path, dtype: str, int8_gemm: str, wmax: int = 127) -> 
 
 @pytest.fixture
 def no_forced_gemm(monkeypatch):
-    from gptforge.compress.cpu_kernels import ORT_GEMM_ENV
+    from gptforge.transforms.cpu_kernels import ORT_GEMM_ENV
 
     monkeypatch.delenv(ORT_GEMM_ENV, raising=False)
 
@@ -148,7 +148,7 @@ def no_forced_gemm(monkeypatch):
 @pytest.mark.parametrize("dtype", ["uint8", "int8"])
 @pytest.mark.parametrize("int8_gemm", ["on", "off"])
 def test_forced_int8_gemm_is_exact_unfused_and_fused_iff_the_probe_says_so(tmp_path, dtype, int8_gemm):
-    from gptforge.compress.cpu_kernels import ort_gemm_is_exact
+    from gptforge.transforms.cpu_kernels import ort_gemm_is_exact
 
     err, mode = _one_linear_error(tmp_path, dtype, int8_gemm)
     assert mode == int8_gemm
@@ -161,7 +161,7 @@ def test_forced_int8_gemm_is_exact_unfused_and_fused_iff_the_probe_says_so(tmp_p
 @pytest.mark.usefixtures("no_forced_gemm")
 @pytest.mark.parametrize("dtype", ["uint8", "int8"])
 def test_automatic_int8_gemm_is_exact_on_this_cpu(tmp_path, dtype):
-    from gptforge.compress.cpu_kernels import ort_gemm_is_exact
+    from gptforge.transforms.cpu_kernels import ort_gemm_is_exact
 
     err, mode = _one_linear_error(tmp_path, dtype, "auto")
     assert err < 1e-5 and mode == ("on" if ort_gemm_is_exact(dtype) else "off")
@@ -171,7 +171,7 @@ def test_automatic_int8_gemm_is_exact_on_this_cpu(tmp_path, dtype):
 def test_a_cpu_where_the_s8_kernel_is_exact_fuses_int8_storage(tmp_path, monkeypatch):
     """The VNNI branch on any CPU: weights in ±7 cannot overflow int16 pair sums (2 x 255 x 7),
     so the fused s8 kernel is exact here too; a probe saying 'exact' must fuse it."""
-    from gptforge.compress import cpu_kernels
+    from gptforge.transforms import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "ort_gemm_is_exact", lambda d: True)
     err, mode = _one_linear_error(tmp_path, "int8", "auto", wmax=7)
@@ -179,10 +179,10 @@ def test_a_cpu_where_the_s8_kernel_is_exact_fuses_int8_storage(tmp_path, monkeyp
 
 
 def test_int8_gemm_and_storage_choice_follow_the_probe_and_can_be_forced(monkeypatch):
-    from gptforge.compress import cpu_kernels
     from gptforge.errors import UsageError
     from gptforge.export.ort_generate import int8_gemm_mode
     from gptforge.export.qdq import resolve_qdq_dtype
+    from gptforge.transforms import cpu_kernels
 
     monkeypatch.delenv(cpu_kernels.ORT_GEMM_ENV, raising=False)
     meta = {"precision": "int8", "qdq_dtype": "int8"}

@@ -34,7 +34,7 @@ def peaky_model(*overrides: str, seed: int = 0):
 @torch.no_grad()
 def pruned_model(seed: int = 0):
     """A peaky model with 4 and 2 heads and FFN widths 256 and 128 (per-layer shapes)."""
-    from gptforge.compress.prune import PrunePlan, apply_plan
+    from gptforge.transforms.prune import PrunePlan, apply_plan
 
     model, cfg = peaky_model(seed=seed)
     plan = PrunePlan(heads=[[0, 1, 2, 3], [1, 3]], ffn=[list(range(256)), list(range(0, 256, 2))],
@@ -48,7 +48,7 @@ def pruned_model(seed: int = 0):
 def qat_model(*overrides: str, seed: int = 0, steps: int = 16):
     """A fake-quant model (PACT, per-channel weights) whose activation scales come from QAT's
     moving-average update over `steps` training-mode forwards; one PACT alpha binds."""
-    from gptforge.compress.quant import quant_modules, quantize_model
+    from gptforge.transforms.quant import quant_modules, quantize_model
 
     model, cfg = peaky_model(*QAT_KEYS, *overrides, seed=seed)
     quantize_model(model, cfg.Compress.Quantization)

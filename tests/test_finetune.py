@@ -217,9 +217,9 @@ def test_starts_from_hf_and_pdparams(tmp_path, base, sst2):
 
 
 def test_fine_tunes_qat_and_pruned_models(tmp_path, base, sst2):
-    from gptforge.compress.prune import prune_model, record_shape
-    from gptforge.compress.quant import QuantLinear, quantize_model
     from gptforge.model_io import load_model, save_model_dir
+    from gptforge.transforms.prune import prune_model, record_shape
+    from gptforge.transforms.quant import QuantLinear, quantize_model
 
     gpt, cfg = load_model(base)
     cfg.Compress.Quantization.enable = True

@@ -1,114 +1,80 @@
 """The package's shape (docs/architecture.md): imports go downward only.
 
-Read statically from the source (lazy imports inside functions count too: a circle through a
-function-level import is still a circle a reader has to untangle).
+The rules are import-linter contracts in pyproject.toml ([tool.importlinter]): the layers
+cli > commands > stages > engine/io > transforms > model > config > support, no circles between
+the modules or packages of any package, and forbidden pairs. import-linter reads the graph with
+grimp, which counts imports made inside functions too (checked below on a package of its own).
+What a contract cannot say ("the model imports nothing but its config schema") is checked here
+on the same graph.
 """
 
 from __future__ import annotations
 
-import ast
+import textwrap
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "src" / "gptforge"
+import grimp
+import importlinter.api  # noqa: F401  (registers import-linter's readers and contract types)
+from importlinter.application import use_cases
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "gptforge"
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for f in PKG.rglob("*.py"):
-        parts = list(f.relative_to(PKG.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = f
-    return out
+def _lint(config: Path, capsys) -> tuple[bool, str]:
+    capsys.readouterr()
+    ok = use_cases.lint_imports(config_filename=str(config), cache_dir=None, no_logo=True)
+    return ok, capsys.readouterr().out
 
 
-MODULES = _modules()
+def test_the_import_contracts_hold(capsys):
+    import gptforge
 
-
-def _resolve(name: str) -> str | None:
-    while name and name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def _imports(module: str) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        for n in names:
-            if n.startswith("gptforge"):
-                target = _resolve(n)
-                if target and target != module:
-                    found.add(target)
-    return found
-
-
-GRAPH = {m: _imports(m) for m in MODULES}
-
-
-def _below(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m == prefix or m.startswith(prefix + ".")
-                  for t in ts if any(t == f or t.startswith(f + ".") for f in forbidden))
-
-
-def test_nothing_below_the_cli_imports_commands():
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
-                 if not (m.startswith("gptforge.commands") or m == "gptforge.cli")
-                 for t in ts if t.startswith("gptforge.commands"))
-    assert not bad, bad
-
-
-def test_config_reads_no_checkpoints_and_model_io_needs_no_training():
-    assert not _below("gptforge.config", ("gptforge.model_io", "gptforge.train", "gptforge.commands"))
-    assert not _below("gptforge.model_io", ("gptforge.train", "gptforge.commands"))
+    # the graph is built from the package the tests import: it must be this checkout's source
+    assert Path(gptforge.__file__).resolve().parent == PKG, gptforge.__file__
+    ok, report = _lint(ROOT / "pyproject.toml", capsys)
+    assert ok, report
+    assert "0 broken" in report and "kept" in report.lower(), report
 
 
 def test_the_model_files_are_pure_pytorch():
+    graph = grimp.build_graph("gptforge", cache_dir=None)
     shape = {"gptforge.config.schema"}  # the typed shape they are built from
-    assert GRAPH["gptforge.model.moe"] <= shape, GRAPH["gptforge.model.moe"]
-    assert GRAPH["gptforge.model.gpt"] <= shape | {"gptforge.model.moe"}, GRAPH["gptforge.model.gpt"]
+    assert graph.find_modules_directly_imported_by("gptforge.model.moe") <= shape
+    assert graph.find_modules_directly_imported_by("gptforge.model.gpt") <= shape | {"gptforge.model.moe"}
 
 
-def test_no_import_circles():
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    circles: list[list[str]] = []
+def _probe_package(root: Path, name: str, lazy_import: str) -> Path:
+    """A two-layer package whose lower layer imports `lazy_import` inside a function."""
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high.py").write_text(f"from {name} import low\n")
+    (pkg / "low.py").write_text(textwrap.dedent(f"""
+        def f():
+            {lazy_import}
+    """))
+    config = root / "probe.toml"
+    config.write_text(textwrap.dedent(f"""
+        [tool.importlinter]
+        root_package = "{name}"
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in GRAPH[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                circles.append(sorted(comp))
-
-    for v in GRAPH:
-        if v not in index:
-            visit(v)
-    assert not circles, circles
+        [[tool.importlinter.contracts]]
+        name = "high above low"
+        type = "layers"
+        layers = ["{name}.high", "{name}.low"]
+    """))
+    return config
 
 
-def test_the_checker_sees_a_circle():
-    """The graph reader finds edges through function-level imports (else the tests above could not fail)."""
-    assert "gptforge.model_io" in GRAPH["gptforge.commands.common"]
-    assert "gptforge.dcp_read" in GRAPH["gptforge.model_io"]
+def test_an_upward_import_inside_a_function_breaks_a_contract(tmp_path, monkeypatch, capsys):
+    """The checker sees function-level imports: else a lazy import could hide a broken layer."""
+    monkeypatch.syspath_prepend(str(tmp_path / "bad"))
+    (tmp_path / "bad").mkdir()
+    ok, report = _lint(_probe_package(tmp_path / "bad", "gf_probe_bad", "from gf_probe_bad import high"), capsys)
+    assert not ok and "gf_probe_bad.low -> gf_probe_bad.high" in report, report
+
+    monkeypatch.syspath_prepend(str(tmp_path / "good"))
+    (tmp_path / "good").mkdir()
+    ok, report = _lint(_probe_package(tmp_path / "good", "gf_probe_good", "import os"), capsys)
+    assert ok, report

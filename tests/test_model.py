@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from gf_testutil import tiny_model
 from gptforge.config import load_config
-from gptforge.model import build_model, reference_param_count
+from gptforge.config.presets import reference_param_count
+from gptforge.model import build_model
 
 
 @pytest.mark.parametrize("preset,billions", [("345M", 0.355), ("1.3B", 1.314), ("6.7B", 6.654),
@@ -121,3 +122,24 @@ def test_recompute_units_exist():
     # full / full_attn / core_attn are whole modules that can be wrapped from outside.
     assert isinstance(blk, torch.nn.Module) and isinstance(blk.attn, torch.nn.Module)
     assert isinstance(blk.attn.core, torch.nn.Module)
+
+
+@pytest.mark.parametrize("moe", [(), ("Model.num_experts=4", "Model.expert_interval=2")])
+def test_block_linears_are_every_linear_of_the_blocks(moe):
+    """The names the model publishes (quantization, sparsity, export and tensor parallel walk them)
+    are exactly the blocks' nn.Linear layers, block by block in the reference's order; an MoE
+    block's gate and experts are not among them."""
+    from torch import nn
+
+    from gptforge.model import BLOCK_LINEARS, block_linears
+
+    model, cfg = tiny_model("Model.num_layers=3", *moe)
+    walked = list(block_linears(model))
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n.startswith("blocks.") and ".moe." not in n]
+    assert [n for n, _ in walked] == [n for n, _ in linears]
+    assert all(a is b for (_, a), (_, b) in zip(walked, linears, strict=True))
+    dense = [i for i, blk in enumerate(model.blocks) if blk.moe is None]
+    assert [n for n, _ in walked if n.endswith("linear2")] == [f"blocks.{i}.linear2" for i in dense]
+    assert len(dense) == (3 if not moe else 2)
+    assert walked[0][0] == f"blocks.0.{BLOCK_LINEARS[0]}" and BLOCK_LINEARS[0] == "attn.qkv_proj"

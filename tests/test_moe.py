@@ -212,9 +212,9 @@ def test_moe_trains_logs_balance_and_resumes_bit_exactly(tmp_path):
 
 
 def test_compression_refuses_moe_models_in_one_line():
-    from gptforge.compress.prune import prune_model
-    from gptforge.compress.quant import quantize_model
     from gptforge.train.parallel_wrap import check_tp_modules
+    from gptforge.transforms.prune import prune_model
+    from gptforge.transforms.quant import quantize_model
 
     cfg = tiny_config(*MOE)
     model = build_model(cfg.Model)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gf_testutil import tiny_config, tiny_model
-from gptforge.compress.prune import apply_plan, make_plan, num_pruned, prune_model, record_shape
-from gptforge.compress.prune_scores import importance
 from gptforge.config.schema import PruneConfig
 from gptforge.model import build_model
+from gptforge.transforms.prune import apply_plan, make_plan, num_pruned, prune_model, record_shape
+from gptforge.transforms.prune_scores import importance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,7 +175,7 @@ def test_pruned_checkpoint_loads_without_repruning(tmp_path, scope):
 def test_pruning_a_fake_quant_model_is_refused():
     from torch import nn
 
-    from gptforge.compress.prune import narrow_linear
+    from gptforge.transforms.prune import narrow_linear
 
     class Wrapped(nn.Linear):
         pass

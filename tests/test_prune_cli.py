@@ -74,9 +74,9 @@ def test_global_pruned_model_exports_to_hf_with_equal_logits(tmp_path):
     from transformers import GPT2LMHeadModel
 
     from gf_testutil import tiny_model
-    from gptforge.compress.prune import prune_model
-    from gptforge.compress.prune_export import save_pruned_hf_dir
     from gptforge.config.schema import PruneConfig
+    from gptforge.export.hf import save_pruned_hf_dir
+    from gptforge.transforms.prune import prune_model
 
     model, cfg = tiny_model("Model.num_layers=3")
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_resume_of_a_pruned_sparse_finetune_is_exact(run_cli, dense, tmp_path):
     a, _ = load_model(tmp_path / "a" / "step_4")
     b, _ = load_model(tmp_path / "b" / "step_4")
     assert state_equal(a.state_dict(), b.state_dict())
-    from gptforge.compress.sparsity import is_2_4, target_layers
+    from gptforge.transforms.sparsity import is_2_4, target_layers
 
     assert all(is_2_4(m.weight) for m in target_layers(a).values())
     # a second fresh run into a directory with checkpoints is refused (one line, exit 2)
@@ -158,8 +158,8 @@ def test_reference_config_matches_the_spec():
 
 
 def test_prune_then_qat_in_one_run_and_qat_from_a_pruned_directory(run_cli, dense, tmp_path):
-    from gptforge.compress.quant import QuantLinear
-    from gptforge.compress.sparsity import is_2_4, target_layers
+    from gptforge.transforms.quant import QuantLinear
+    from gptforge.transforms.sparsity import is_2_4, target_layers
 
     data = _data_overrides(dense)
     code, out, err = run_cli("prune", "--ckpt", dense, "--out", tmp_path / "pq", "-o", "Engine.max_steps=2",

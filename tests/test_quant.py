@@ -10,7 +10,10 @@ from torch import nn
 
 from gf_testutil import tiny_config, tiny_model
 from gptforge.compress.ptq import calibrate
-from gptforge.compress.quant import (
+from gptforge.config.schema import QuantizationConfig
+from gptforge.errors import ConfigError
+from gptforge.model import build_model
+from gptforge.transforms.quant import (
     QuantLinear,
     linear_names,
     our_name,
@@ -20,9 +23,6 @@ from gptforge.compress.quant import (
     selected_layers,
     set_quant_enabled,
 )
-from gptforge.config.schema import QuantizationConfig
-from gptforge.errors import ConfigError
-from gptforge.model import build_model
 
 
 def Q(**kw) -> QuantizationConfig:

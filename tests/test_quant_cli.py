@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptforge.compress.int8 import Int8Linear
-from gptforge.compress.quant import QuantLinear
 from gptforge.model_io import load_model
 from gptforge.train import pretrain
+from gptforge.transforms.int8 import Int8Linear
+from gptforge.transforms.quant import QuantLinear
 from test_train_support import small_tokenizer, train_config
 
 QAT_OPTS = ("-o", "Engine.logging_freq=1", "-o", "Engine.eval_freq=100", "-o", "Optimizer.lr.max_lr=1e-3",

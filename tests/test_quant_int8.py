@@ -12,15 +12,21 @@ import torch
 from torch import nn
 
 from gf_testutil import tiny_config, tiny_model
-from gptforge.compress import cpu_kernels
-from gptforge.compress import int8 as int8_mod
-from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, fast_kernel_available, set_kernel
 from gptforge.compress.int8_convert import compare_logits, convert_checkpoint, state_bytes
 from gptforge.compress.ptq import calibrate
-from gptforge.compress.quant import QuantLinear, quantize_model
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError, UsageError
 from gptforge.model import build_model
+from gptforge.transforms import cpu_kernels
+from gptforge.transforms import int8 as int8_mod
+from gptforge.transforms.int8 import (
+    Int8Embedding,
+    Int8Linear,
+    convert_model,
+    fast_kernel_available,
+    set_kernel,
+)
+from gptforge.transforms.quant import QuantLinear, quantize_model
 
 fast = pytest.mark.skipif(not fast_kernel_available(), reason="fbgemm int8 kernels need an x86 CPU build")
 

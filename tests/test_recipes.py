@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from gptforge.config import check_train_shapes, load_config
+from gptforge.config.presets import PRESETS
 from gptforge.config.recipes import list_recipes, recipe_dir, recipe_names
 from gptforge.errors import ConfigError
-from gptforge.model.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "src" / "gptforge" / "recipes").glob("*.yaml"))

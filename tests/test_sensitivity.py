@@ -16,12 +16,12 @@ from torch import nn
 
 from gptforge.compress import sensitivity as sens
 from gptforge.compress.ptq import calibrate, ptq
-from gptforge.compress.quant import quant_modules, quantize_model
 from gptforge.compress.sensitivity_run import run_analysis, split_batches
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.model_io import load_model, load_run_config, save_model_dir
 from gptforge.train import pretrain
+from gptforge.transforms.quant import quant_modules, quantize_model
 from test_train_support import small_tokenizer, train_config
 
 PLANTED = {"weight": "blocks.0.linear2", "act": "blocks.1.attn.qkv_proj"}
@@ -279,8 +279,8 @@ def test_resume_skips_finished_layers_and_gives_the_same_ranking(trained, plante
 def test_cli_end_to_end(run_cli, trained, planted, tmp_path):
     import re
 
-    from gptforge.compress.quant import skipped
     from gptforge.config import load_config
+    from gptforge.transforms.quant import skipped
 
     _, tok, _ = trained
     fdir, qdir = planted["weight"]

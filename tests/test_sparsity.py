@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gf_testutil import tiny_model
-from gptforge.compress.sparsity import (
+from gptforge.transforms.sparsity import (
     SparsityKeeper,
     compute_masks,
     input_norms,

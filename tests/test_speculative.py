@@ -204,11 +204,11 @@ def test_speculative_sampling_follows_the_target_distribution(small_vocab_pair, 
 # ------------------------------------------------------------------------------ drafts from compression
 
 def test_pruned_and_int8_drafts_of_the_same_model(target):
-    from gptforge.compress.int8 import convert_model
-    from gptforge.compress.prune import apply_plan, make_plan
     from gptforge.compress.ptq import calibrate
-    from gptforge.compress.quant import quantize_model
     from gptforge.config.schema import QuantizationConfig
+    from gptforge.transforms.int8 import convert_model
+    from gptforge.transforms.prune import apply_plan, make_plan
+    from gptforge.transforms.quant import quantize_model
 
     heads = [torch.arange(blk.attn.qkv_proj.out_features // (3 * target.blocks[0].attn.head_dim), dtype=torch.float)
              for blk in target.blocks]

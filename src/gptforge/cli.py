@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _ignore_file_size_signal()
     module = importlib.import_module(VERBS[args.verb][0])
+    args.run_verb = main  # a verb may run other verbs in this process (the demo's stages): handed down
     quiet = bool(getattr(args, "quiet", False))
     if quiet:
         args.no_progress = True

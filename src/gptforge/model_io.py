@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gptforge.config.presets import PRESETS
 from gptforge.durable import publish_dir, recover_aside
 from gptforge.errors import CheckpointError, GPTForgeError
 from gptforge.fsguard import disk_full_errno, disk_full_error
@@ -140,8 +141,6 @@ def _hf_tensors(p: Path) -> dict[str, torch.Tensor]:
 
 
 def _preset_heads(hidden: int, layers: int) -> int | None:
-    from gptforge.model.presets import PRESETS
-
     for shape in PRESETS.values():
         if shape["hidden_size"] == hidden and shape["num_layers"] == layers:
             return shape["num_attention_heads"]
@@ -307,8 +306,8 @@ def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
         from gptforge.config.typed import build_section
 
         try:
-            from gptforge.compress.int8 import int8_structure
-            from gptforge.compress.quant import quantize_model
+            from gptforge.transforms.int8 import int8_structure
+            from gptforge.transforms.quant import quantize_model
         except ImportError as e:  # pragma: no cover - part of the package
             raise CheckpointError(f"checkpoint was saved with quantization but it is unavailable ({e})") from None
         qcfg = build_section(QuantizationConfig, quant, "Compress.Quantization")
@@ -338,7 +337,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     sd = _checkpoint_state_dict(p, fmt, model_cfg)
     if not with_structure:
         if ((ck_raw.get("Compress") or {}).get("Quantization") or {}).get("converted"):
-            from gptforge.compress.int8 import dequantize_state_dict
+            from gptforge.transforms.int8 import dequantize_state_dict
 
             sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
         names = set(model.state_dict())

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     s = Settings(out=args.out, quick=args.quick, minutes=minutes, weight_bits=args.weight_bits,
                  prune_ratio=args.prune_ratio, top_k=args.top_k, device=args.device,
                  shape=QUICK if args.quick else FULL)
-    res = run_demo(s, force=args.force, echo=not args.quiet)
+    res = run_demo(s, args.run_verb, force=args.force, echo=not args.quiet)
     if not args.quiet:
         print(f"gptforge demo: report {res['report']['md']} and {res['report']['html']}")
     return 0

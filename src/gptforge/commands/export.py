@@ -165,14 +165,14 @@ def _classifier(ckpt, cfg, args) -> int:
         raise UsageError("--precision int8: a classifier exports as fp32 ONNX (quantized weights folded)")
     clf, cfg, tok, task = load_classifier(ckpt, cfg, device="cpu")
     if args.format == "hf":
-        from gptforge.export.classifier import save_hf_classifier
+        from gptforge.finetune.export import save_hf_classifier
 
         r = save_hf_classifier(clf, args.out, tok, task=task, model_cfg=cfg.Model,
                                max_shard_size=args.max_shard_size, overwrite=True)
         print(f"gptforge export: hf GPT2ForSequenceClassification, {r.num_classes} labels, pad_token_id "
               f"{r.pad_token_id}{f', {r.source_kind} weights folded' if r.source_kind != 'float' else ''} -> {r.out_dir}")
         return 0
-    from gptforge.export.classifier import export_onnx_classifier
+    from gptforge.finetune.export import export_onnx_classifier
 
     r = export_onnx_classifier(clf, args.out, tok, cfg=cfg, task=task, check=not args.no_check, overwrite=True)
     c = r.check

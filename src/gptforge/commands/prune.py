@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if result.pruned_dir is not None:
         parts.append(f"pruned model (before fine-tuning): {result.pruned_dir}")
     if args.hf_out:
-        from gptforge.compress.prune_export import save_pruned_hf_dir
+        from gptforge.export.hf import save_pruned_hf_dir
 
         save_pruned_hf_dir(result.model, cfg.Model, args.hf_out, result.tokenizer, overwrite=True)
         parts.append(f"HF directory: {Path(args.hf_out)}")

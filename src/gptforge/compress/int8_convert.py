@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from gptforge.compress.cpu_kernels import describe, fbgemm_available, fbgemm_kernel
-from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model, converted_config
-from gptforge.compress.quant import QuantEmbedding, QuantLinear, quant_modules, reference_name
 from gptforge.errors import ConfigError
+from gptforge.transforms.cpu_kernels import describe, fbgemm_available, fbgemm_kernel
+from gptforge.transforms.int8 import Int8Embedding, Int8Linear, convert_model, converted_config
+from gptforge.transforms.quant import QuantEmbedding, QuantLinear, quant_modules, reference_name
 
 REPORT_FILE = "int8_report.json"
 

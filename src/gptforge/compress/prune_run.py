@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gptforge.compress.prune import PruneReport, check_ratio, prune_model, record_shape
-from gptforge.compress.prune_scores import CALIBRATED, check_criterion
-from gptforge.compress.sparsity import SparsityKeeper, check_method, compute_masks, masks_from_weights
 from gptforge.config.schema import Config
 from gptforge.errors import ConfigError, UsageError
+from gptforge.transforms.prune import PruneReport, check_ratio, prune_model, record_shape
+from gptforge.transforms.prune_scores import CALIBRATED, check_criterion
+from gptforge.transforms.sparsity import SparsityKeeper, check_method, compute_masks, masks_from_weights
 
 REPORT_FILE = "prune_report.json"
 
@@ -83,7 +83,7 @@ def calibration_batches(cfg: Config, tokenizer, n: int) -> list[dict]:
 
 def _quantize(model: nn.Module, cfg: Config) -> nn.Module:
     try:
-        from gptforge.compress.quant import quantize_model
+        from gptforge.transforms.quant import quantize_model
     except ImportError as e:
         raise ConfigError(f"Compress.Quantization.enable with pruning: quantization is unavailable ({e})") from None
     out = quantize_model(model, cfg.Compress.Quantization)

@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gptforge.compress.quant import (
+from gptforge.config.schema import Config
+from gptforge.errors import ConfigError
+from gptforge.transforms.quant import (
     finish_observers,
     quant_modules,
     quantize_model,
     start_observers,
     validate_config,
 )
-from gptforge.config.schema import Config
-from gptforge.errors import ConfigError
 
 
 def _notice(msg: str, echo: bool = True) -> None:

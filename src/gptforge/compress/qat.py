@@ -15,9 +15,9 @@ from pathlib import Path
 
 from torch import nn
 
-from gptforge.compress.quant import quantize_model, validate_config
 from gptforge.config.schema import Config
 from gptforge.errors import ConfigError
+from gptforge.transforms.quant import quantize_model, validate_config
 
 
 def _notice(msg: str, echo: bool = True) -> None:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptforge.compress.quant import QuantEmbedding, QuantLinear, _match, quant_modules, reference_name
 from gptforge.errors import CheckpointError, UsageError
+from gptforge.transforms.quant import QuantEmbedding, QuantLinear, _match, quant_modules, reference_name
 
 MODES = ("qat", "ptq")
 METRICS = ("acc", "ppl", "loss", "cosine", "kl")

@@ -7,9 +7,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from gptforge.compress.quant import _OURS, LAYER_KINDS
 from gptforge.compress.sensitivity import Analysis, LayerResult
 from gptforge.evaluate.common import write_atomic
+from gptforge.transforms.quant import _OURS, LAYER_KINDS
 
 TXT, JSON_FILE, PNG, SKIP_YAML = "analysis.txt", "analysis.json", "analysis.png", "skip_tensor_map.yaml"
 

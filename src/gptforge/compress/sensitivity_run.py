@@ -112,9 +112,9 @@ def _batches_digest(batches: list[dict]) -> str:
 def _load_models(cfg: Config, mode: str, qat_ckpt, float_ckpt, tokenizer, device, echo):
     """(fake-quant model to analyse, cfg, tokenizer, float model or None)."""
     from gptforge.compress.ptq import calibrate, calibration_batches
-    from gptforge.compress.quant import quantize_model, validate_config
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import load_model, resolve_checkpoint_path
+    from gptforge.transforms.quant import quantize_model, validate_config
 
     main = resolve_checkpoint_path(qat_ckpt or float_ckpt)
     if mode == "ptq" and qat_ckpt is None:

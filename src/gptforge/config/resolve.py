@@ -8,6 +8,7 @@ import os
 import typing
 from typing import Any
 
+from gptforge.config.presets import GPT2_VOCAB_SIZE, PRESETS
 from gptforge.config.schema import Config, DatasetConfig, ModelConfig
 from gptforge.config.typed import suggest_key
 from gptforge.errors import ConfigError
@@ -16,8 +17,6 @@ from gptforge.errors import ConfigError
 
 
 def _preset_shape(name: Any) -> dict[str, Any]:
-    from gptforge.model.presets import PRESETS
-
     name = str(name)
     if name not in PRESETS:
         raise ConfigError(f"Model.preset: unknown preset {name!r}{suggest_key(name, PRESETS, '')}; choose from {', '.join(PRESETS)}")
@@ -71,8 +70,6 @@ def apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
     model = raw.get("Model")
     if not isinstance(model, dict) or not model.get("preset"):
         return raw
-    from gptforge.model.presets import GPT2_VOCAB_SIZE
-
     shape = _preset_shape(model["preset"])
     filled = {**shape, **{k: v for k, v in model.items() if v is not None}}
     if model.get("vocab_size") is None and "vocab_size" in shape:

@@ -104,3 +104,10 @@ def write_heldout(prefix: str | Path, tokenizer, split, out_dir: str | Path, *, 
     cloze_path = out / "cloze.jsonl"
     cloze_path.write_text("".join(json.dumps({"text": p}) + "\n" for p in passages), encoding="utf-8")
     return HeldoutFiles(text_path, cloze_path, len(docs), len(text), len(passages))
+
+
+def xz_bits_per_byte(data: bytes) -> float:
+    """What `xz -9e` needs per byte of `data`: the bar a model of the text must beat."""
+    import lzma
+
+    return len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / max(len(data), 1)

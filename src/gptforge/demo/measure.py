@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from gptforge.model.gpt import block_linears
+
 WEIGHT_GLOBS = ("model*.safetensors", "model.safetensors.index.json")
 
 
@@ -26,11 +28,10 @@ def shape_params(cfg) -> int:
 
 def describe(model: torch.nn.Module, cfg) -> str:
     """'fp32, 4x128, 4 heads, FFN 512' / 'INT8 (14 of 16 Linears), 4x128, 3 heads, FFN 384'."""
-    from gptforge.compress.prune import layer_shapes_of
+    from gptforge.transforms.prune import layer_shapes_of
 
     heads, ffns = layer_shapes_of(model)
-    kinds = [type(m).__name__ for name, m in model.named_modules() if name.count(".") >= 1 and
-             name.rsplit(".", 1)[-1] in ("qkv_proj", "out_proj", "linear1", "linear2")]
+    kinds = [type(m).__name__ for _, m in block_linears(model)]
     q = sum(k.startswith(("Int8", "Quant")) for k in kinds)
     prec = "fp32" if q == 0 else ("INT8" if q == len(kinds) else f"INT8 ({q} of {len(kinds)} Linears)")
     shape = f"{cfg.Model.num_layers}x{cfg.Model.hidden_size}"

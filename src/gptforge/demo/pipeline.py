@@ -1,8 +1,9 @@
 """`run_demo`: the whole life cycle on the built-in corpus, one stage after another.
 
-Every stage that a user would run by hand runs the real CLI verb in this process
-(`gptforge.cli.main(argv)`), so the commands the report prints are exactly what ran. A verb's
-output goes to `<out>/logs/<stage>.log`; training stages also echo their log lines.
+Every stage that a user would run by hand runs the real CLI verb in this process, through the
+runner its caller hands in (`gptforge demo` passes `cli.main`; the demo never imports the CLI),
+so the commands the report prints are exactly what ran. A verb's output goes to
+`<out>/logs/<stage>.log`; training stages also echo their log lines.
 
 Nothing is lost on a crash: `<out>/demo_state.json` records each finished stage (written
 atomically), training stages checkpoint every quarter of their steps and run with
@@ -43,6 +44,9 @@ from gptforge.errors import GPTForgeError, UsageError
 from gptforge.evaluate.common import write_json_atomic
 
 STATE_FORMAT = "gptforge-demo/1"
+VerbRunner = Callable[[list[str]], int]  # runs one verb in this process: argv -> exit code (cli.main)
+
+
 class DemoError(GPTForgeError):
     """A demo stage failed; the message names the stage, its log and how to continue."""
 
@@ -93,8 +97,9 @@ class StageRecord:
 class Demo:
     """The stages, their state file and the context they run in."""
 
-    def __init__(self, settings: Settings, force: bool = False, echo: bool = True):
+    def __init__(self, settings: Settings, run_verb: VerbRunner, force: bool = False, echo: bool = True):
         self.s = settings
+        self.run_verb = run_verb
         self.p = Paths(settings.out)
         self.echo = echo
         self.console = sys.stdout
@@ -190,8 +195,6 @@ class Demo:
 
     def cli(self, *argv, show: Callable[[str], bool] | None = None) -> str:
         """Run `gptforge <argv>` in this process; its output goes to the stage's log. Returns stdout."""
-        from gptforge import cli
-
         argv = [str(a) for a in argv]
         rec = self._current
         rec.commands.append(argv)
@@ -205,7 +208,7 @@ class Demo:
             tee_err = _Tee(log, self.console, None)
             with contextlib.redirect_stdout(tee_out), contextlib.redirect_stderr(tee_err):
                 try:
-                    code = cli.main(argv)
+                    code = self.run_verb(argv)
                 except SystemExit as e:  # argparse errors
                     code = e.code if isinstance(e.code, int) else 2
             log.write(f"[exit {code}]\n\n")
@@ -256,13 +259,13 @@ def _metrics(run_dir: Path) -> dict:
 # ---------------------------------------------------------------------- the stages
 
 
-def run_demo(settings: Settings, force: bool = False, echo: bool = True) -> dict:
-    """Run (or continue) the demo in `settings.out`; returns the report's data."""
+def run_demo(settings: Settings, run_verb: VerbRunner, force: bool = False, echo: bool = True) -> dict:
+    """Run (or continue) the demo in `settings.out`, the verbs through `run_verb`; returns the report's data."""
     import torch
 
     from gptforge.demo.overall import OverallBar, wanted
 
-    d = Demo(settings, force=force, echo=echo)
+    d = Demo(settings, run_verb, force=force, echo=echo)
     threads = torch.get_num_threads()  # the plan may choose another count; the caller gets its own back
     try:
         if not wanted(echo, d.console):
@@ -290,7 +293,7 @@ def _run_stages(d: Demo) -> dict:
     def data():
         from gptforge.data.indexed import load_token_files
         from gptforge.data.tokenizer import load_tokenizer
-        from gptforge.demo.heldout import write_heldout
+        from gptforge.demo.heldout import write_heldout, xz_bits_per_byte
 
         d.cli("preprocess", "--builtin", "--tokenizer", p.tokenizer, "--output-prefix", p.prefix, "--no-progress")
         tf = load_token_files(p.prefix)
@@ -486,13 +489,6 @@ def _run_stages(d: Demo) -> dict:
     d.records.pop("report", None)
     rep = d.stage(15, N, "report", "write the report", report, lambda o: f"{o['md']}, {o['html']}")
     return {"report": rep, "rows": ev, "stages": {k: asdict(v) for k, v in d.records.items()}}
-
-
-def xz_bits_per_byte(data: bytes) -> float:
-    """What `xz -9e` needs per byte of `data`: the bar a model of the text must beat."""
-    import lzma
-
-    return len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) * 8 / max(len(data), 1)
 
 
 def _sample_rows(doc: dict) -> list[dict]:

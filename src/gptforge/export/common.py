@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gptforge.errors import CheckpointError, UsageError
+from gptforge.model.gpt import block_linears
 
 FLOAT, FAKE_QUANT, INT8 = "float", "fake-quant", "int8"
 PRECISIONS = ("auto", "fp32", "int8")
@@ -35,8 +36,8 @@ _QUANT_STATE = (".act_scale", ".act_accum", ".act_state", ".pact_alpha", ".weigh
 
 def model_kind(model: nn.Module) -> str:
     """`float`, `fake-quant` or `int8` (see the module docstring)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
     kinds = {type(m) for m in model.modules()}
     if kinds & {Int8Linear, Int8Embedding}:
@@ -62,8 +63,8 @@ def resolve_precision(requested: str, kind: str) -> str:
 @torch.no_grad()
 def folded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The float state dict of `model` with quantization folded (see the module docstring)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear, fake_quant_weight
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear, fake_quant_weight
 
     sd = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith(_QUANT_STATE)}
     for name, mod in model.named_modules():
@@ -92,19 +93,18 @@ def fold_quantization(model: nn.Module) -> nn.Module:
 
 def check_plain_linears(model: nn.Module, what: str) -> None:
     """Refuse structures an export does not know how to write (wrapped or replaced layers)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear
-    from gptforge.compress.quant import QuantEmbedding, QuantLinear
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear
+    from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
     known = (nn.Linear, QuantLinear, Int8Linear)
-    for i, blk in enumerate(model.blocks):
-        if getattr(blk, "moe", None) is not None:
-            raise UsageError(f"blocks.{i} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
-                             "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
-        for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
-            mod = blk.get_submodule(name)
-            if not isinstance(mod, known):
-                raise UsageError(f"blocks.{i}.{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "
-                                 "and INT8 Linear layers only")
+    moe = [i for i, blk in enumerate(model.blocks) if getattr(blk, "moe", None) is not None]
+    if moe:
+        raise UsageError(f"blocks.{moe[0]} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
+                         "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
+    for name, mod in block_linears(model):
+        if not isinstance(mod, known):
+            raise UsageError(f"{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "
+                             "and INT8 Linear layers only")
     if not isinstance(model.wte, (nn.Embedding, QuantEmbedding, Int8Embedding)):
         raise UsageError(f"wte is a {type(model.wte).__name__}: {what} cannot write it")
 

@@ -126,8 +126,8 @@ def generation_config_dict(g, eos: int | None, padded_ids: range = range(0)) -> 
 
 
 def _quantization_note(model: nn.Module, kind: str) -> dict:
-    from gptforge.compress.int8 import Int8Linear
-    from gptforge.compress.quant import QuantLinear, qmax_for
+    from gptforge.transforms.int8 import Int8Linear
+    from gptforge.transforms.quant import QuantLinear, qmax_for
 
     scales, alphas = {}, {}
     for name, mod in model.named_modules():

@@ -12,7 +12,7 @@ INT8 GEMMs (`int8_gemm`). onnxruntime fuses each QDQ MatMul into an int8 GEMM
 its s8 kernel for graphs stored as int8. On x86 CPUs without VNNI the s8 kernel adds pairs of
 u8·s8 products into saturating int16 (`vpmaddubsw`) and is far off for full-range weights.
 `auto` fuses where a one-time probe finds the kernel for the graph's storage exact on the
-running CPU (`compress/cpu_kernels.py`); elsewhere (`off`) the QDQ graph runs as written
+running CPU (`transforms/cpu_kernels.py`); elsewhere (`off`) the QDQ graph runs as written
 (`session.disable_quant_qdq`: activations are still rounded to their int8 steps, the products
 run in fp32, exact but no faster than fp32). `on` / `off` (or `GPTFORGE_ORT_INT8_GEMM`) force it.
 """
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptforge.compress.cpu_kernels import ORT_GEMMS, ort_gemm_is_exact, ort_int8_gemm
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.export.common import META_FILE, load_export_config, read_export_dir
+from gptforge.transforms.cpu_kernels import ORT_GEMMS, ort_gemm_is_exact, ort_int8_gemm
 
 INT8_GEMM = ORT_GEMMS
 

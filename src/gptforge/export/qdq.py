@@ -22,7 +22,7 @@ MatMul into its u8·u8 int8 GEMM, which widens to 16 bits and is exact on every 
 probed; its s8 path on x86 without VNNI adds pairs of products into saturating int16
 (`vpmaddubsw`) and is off by ~15% of a layer's output range (measured on AVX2: docs/export.md).
 `auto` picks the fastest encoding whose fused kernel a one-time probe finds exact on the
-exporting CPU (`compress/cpu_kernels.py`): int8 where the s8 kernel is exact (VNNI), else
+exporting CPU (`transforms/cpu_kernels.py`): int8 where the s8 kernel is exact (VNNI), else
 uint8. The file outlives that CPU, hence uint8, exact wherever it runs, stays the default.
 
 The two custom ops below (`gptforge::quantize_dequantize`, `gptforge::dequantize_weight`)
@@ -40,8 +40,8 @@ import math
 import torch
 from torch import nn
 
-from gptforge.compress.quant import EPS, qmax_for
 from gptforge.errors import UsageError
+from gptforge.transforms.quant import EPS, qmax_for
 
 QDQ_DTYPES = ("uint8", "int8", "auto")
 _OFFSET = {"uint8": 128, "int8": 0}
@@ -107,7 +107,7 @@ def resolve_qdq_dtype(dtype: str) -> str:
     if dtype not in QDQ_DTYPES:
         raise UsageError(f"--qdq-dtype {dtype!r}: choose one of {', '.join(QDQ_DTYPES)}")
     if dtype == "auto":
-        from gptforge.compress.cpu_kernels import fastest_exact_qdq_dtype
+        from gptforge.transforms.cpu_kernels import fastest_exact_qdq_dtype
 
         return fastest_exact_qdq_dtype()
     return dtype
@@ -173,8 +173,8 @@ def to_qdq(model: nn.Module, dtype: str = "uint8") -> nn.Module:
     """A copy of a fake-quant (QAT/PTQ) or converted INT8 model with QDQ modules in place of
     the quantized ones; eval-mode numerics are those of the fake-quant model. `dtype`: how
     the integers are stored (see the module docstring)."""
-    from gptforge.compress.int8 import Int8Embedding, Int8Linear, convert_model
     from gptforge.export.common import FAKE_QUANT, model_kind
+    from gptforge.transforms.int8 import Int8Embedding, Int8Linear, convert_model
 
     dtype = resolve_qdq_dtype(dtype)
     m = copy.deepcopy(model).eval()

@@ -1,6 +1,14 @@
-"""The GPT model, its presets and checkpoint converters."""
+"""The GPT model (pure PyTorch) and checkpoint layout converters; the size presets are config's (`gptforge.config.presets`)."""
 
-from gptforge.model.gpt import GPT, GPTOutput, KVCache, build_model, layer_shapes, lm_loss
-from gptforge.model.presets import PRESETS, reference_param_count
+from gptforge.model.gpt import (
+    BLOCK_LINEARS,
+    GPT,
+    GPTOutput,
+    KVCache,
+    block_linears,
+    build_model,
+    layer_shapes,
+    lm_loss,
+)
 
-__all__ = ["GPT", "GPTOutput", "KVCache", "PRESETS", "build_model", "layer_shapes", "lm_loss", "reference_param_count"]
+__all__ = ["BLOCK_LINEARS", "GPT", "GPTOutput", "KVCache", "block_linears", "build_model", "layer_shapes", "lm_loss"]

@@ -17,6 +17,7 @@ modules: `Block` (full), `Block.attn` (full_attn), `Block.attn.core` (core_attn)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,19 @@ class Block(nn.Module):
             return x + self.dropout(self.moe(h))
         # No dropout between GELU and linear2 (spec §1.1).
         return x + self.dropout(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
+
+
+# A block's Linear layers by their path inside the block, in the reference's counting order
+# (`linear_{4i+j}`): what quantization, sparsity, export and tensor parallel walk from outside.
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2")
+
+
+def block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(`blocks.{i}.{path}`, module) of every block Linear, block by block in BLOCK_LINEARS order
+    (an MoE block holds `moe` in place of linear1/linear2: only its attention's two)."""
+    for i, blk in enumerate(model.blocks):
+        for path in BLOCK_LINEARS if getattr(blk, "moe", None) is None else BLOCK_LINEARS[:2]:
+            yield f"blocks.{i}.{path}", blk.get_submodule(path)
 
 
 def layer_shapes(cfg: ModelConfig) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gptforge.errors import ConfigError
+from gptforge.model.gpt import block_linears
 
 
 def wrap_model(ctx, model: nn.Module) -> nn.Module:
@@ -207,13 +208,12 @@ def clip_sharded_grad_norm_(params: list[torch.Tensor], clip_norm: float, skip: 
 
 def check_tp_modules(model: nn.Module) -> None:
     """Tensor parallel splits plain nn.Linear layers; swapped modules (fake-quant, INT8) cannot be split."""
-    for i, blk in enumerate(model.blocks):
-        if getattr(blk, "moe", None) is not None:
-            raise ConfigError(f"Distributed.mp_degree: blocks.{i} is an MoE layer; tensor parallel does not split "
-                              "experts (train MoE models with data parallel and Distributed.ep_degree)")
-        for name in ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2"):
-            m = blk.get_submodule(name)
-            if type(m) is not nn.Linear:
-                raise ConfigError(f"Distributed.mp_degree: blocks.{i}.{name} is a {type(m).__name__}, not an "
-                                  "nn.Linear; tensor parallel splits plain Linear layers only (train QAT/pruned "
-                                  "models with data parallel or sharding)")
+    moe = [i for i, blk in enumerate(model.blocks) if getattr(blk, "moe", None) is not None]
+    if moe:
+        raise ConfigError(f"Distributed.mp_degree: blocks.{moe[0]} is an MoE layer; tensor parallel does not split "
+                          "experts (train MoE models with data parallel and Distributed.ep_degree)")
+    for name, m in block_linears(model):
+        if type(m) is not nn.Linear:
+            raise ConfigError(f"Distributed.mp_degree: {name} is a {type(m).__name__}, not an "
+                              "nn.Linear; tensor parallel splits plain Linear layers only (train QAT/pruned "
+                              "models with data parallel or sharding)")

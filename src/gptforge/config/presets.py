@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 # GPT-2's BPE vocabulary: under `Data.tokenizer: gpt2` a preset's vocabulary is never smaller
-# than this (config/resolve.apply_preset).
+# than this (resolve.apply_preset).
 GPT2_VOCAB_SIZE = 50257
 
 # Shape keys only; everything else (dropout, init, recompute) comes from the config. A preset
-# also lowers the sequence lengths it inherits to its positions (config/resolve.preset_fills).
+# also lowers the sequence lengths it inherits to its positions (resolve.preset_fills).
 PRESETS: dict[str, dict[str, Any]] = {
     # Reference sizes (PaddleFleetX configs).
     "345M": dict(hidden_size=1024, num_layers=24, num_attention_heads=16, ffn_hidden_size=4096,

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from gptforge.errors import ConfigError, UsageError
+from gptforge.model.gpt import block_linears
 
 METHODS = ("magnitude", "wanda")
-LAYER_NAMES = ("attn.qkv_proj", "attn.out_proj", "linear1", "linear2")
 N, M = 2, 4  # keep N of every M
 
 
@@ -41,14 +41,11 @@ def check_method(method: str) -> None:
 
 def target_layers(model: nn.Module) -> dict[str, nn.Linear]:
     """{qualified name: Linear} of the layers that become 2:4 sparse."""
-    out = {}
-    for i, blk in enumerate(model.blocks):
-        for name in LAYER_NAMES:
-            mod = blk.get_submodule(name)
-            if mod.weight.shape[1] % M:
-                raise ConfigError(f"Compress.Prune.semi_structured: blocks.{i}.{name} has {mod.weight.shape[1]} "
-                                  f"inputs, not a multiple of {M}; 2:4 sparsity needs groups of {M} inputs")
-            out[f"blocks.{i}.{name}"] = mod
+    out = dict(block_linears(model))
+    for name, mod in out.items():
+        if mod.weight.shape[1] % M:
+            raise ConfigError(f"Compress.Prune.semi_structured: {name} has {mod.weight.shape[1]} "
+                              f"inputs, not a multiple of {M}; 2:4 sparsity needs groups of {M} inputs")
     return out
 
 

@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptforge.compress.cpu_kernels import KERNELS, fbgemm_available, fbgemm_kernel, fbgemm_prepack
-from gptforge.compress.quant import (
+from gptforge.config.schema import QuantizationConfig
+from gptforge.errors import ConfigError
+from gptforge.transforms.cpu_kernels import KERNELS, fbgemm_available, fbgemm_kernel, fbgemm_prepack
+from gptforge.transforms.quant import (
     EPS,
     QuantEmbedding,
     QuantLinear,
@@ -53,8 +55,6 @@ from gptforge.compress.quant import (
     validate_config,
     weight_step,
 )
-from gptforge.config.schema import QuantizationConfig
-from gptforge.errors import ConfigError
 
 _DIGIT = 254.0  # second-digit scale: the residual of the first digit is within ±step/2
 

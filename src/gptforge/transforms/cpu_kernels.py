@@ -9,7 +9,7 @@ sums overflow int16, compared with exact integer arithmetic (cached for the proc
 
 Paths and how to force one (an argument wins over the environment; `auto` = not forced):
 
-- fbgemm, `Int8Linear` / `Int8Embedding` (`compress/int8.py`): `plain` = one call with
+- fbgemm, `Int8Linear` / `Int8Embedding` (`transforms/int8.py`): `plain` = one call with
   activation zero point 128 (u8 = q + 128), exact only where the probe says so; `split` = each
   row q as max(q, 0) and max(-q, 0) with zero point 0 (bytes <= 127 cannot overflow), exact on
   every CPU, for twice the rows. `auto`: `plain` where exact (the same call on half the rows),

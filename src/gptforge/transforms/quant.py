@@ -38,9 +38,11 @@ from torch import nn
 
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError
+from gptforge.model.gpt import BLOCK_LINEARS
 
-LAYER_KINDS = ("qkv_proj", "out_proj", "linear1", "linear2")
-_KIND_PATH = {"qkv_proj": "attn.qkv_proj", "out_proj": "attn.out_proj", "linear1": "linear1", "linear2": "linear2"}
+# The reference's short layer kinds (skip_tensor_map, LAYER_TYPES) -> the model's paths in a block.
+_KIND_PATH = {path.rpartition(".")[2]: path for path in BLOCK_LINEARS}
+LAYER_KINDS = tuple(_KIND_PATH)
 WEIGHT_TYPES = ("abs_max", "channel_wise_abs_max")
 ACT_TYPES = ("moving_average_abs_max", "abs_max")
 PREPROCESS_TYPES = ("PACT",)
@@ -71,15 +73,15 @@ def linear_names(num_layers: int) -> list[str]:
     return [linear_name(i, k) for i in range(num_layers) for k in LAYER_KINDS]
 
 
-_OURS = re.compile(r"^blocks\.(\d+)\.(?:attn\.)?(qkv_proj|out_proj|linear1|linear2)$")
+_OURS = re.compile(r"^blocks\.(\d+)\.(?:attn\.)?(" + "|".join(LAYER_KINDS) + r")$")
 _REF = re.compile(r"^linear_(\d+)(?:\.w_0)?$")
 
 
 def reference_name(name: str) -> str:
     """`blocks.3.linear2` -> `linear_15` (the reference's Linear counter: 4 per block)."""
     m = _OURS.match(name)
-    if not m or (m.group(2) in ("qkv_proj", "out_proj")) != (".attn." in name):
-        raise ValueError(f"{name!r} is not a block Linear name (blocks.i.attn.qkv_proj|attn.out_proj|linear1|linear2)")
+    if not m or linear_name(int(m.group(1)), m.group(2)) != name:
+        raise ValueError(f"{name!r} is not a block Linear name (blocks.i.{'|'.join(BLOCK_LINEARS)})")
     return f"linear_{4 * int(m.group(1)) + LAYER_KINDS.index(m.group(2))}"
 
 

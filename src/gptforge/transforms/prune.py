@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gptforge.compress.prune_scores import CALIBRATED, check_criterion, importance
 from gptforge.errors import ConfigError, UsageError
+from gptforge.transforms.prune_scores import CALIBRATED, check_criterion, importance
 
 SCOPES = ("uniform", "global")
 
@@ -203,7 +203,7 @@ def prune_model(model: nn.Module, pcfg, batches: Iterable[dict] | None = None,
     `batches` (calibration data) are needed by the `taylor` and `activation` criteria.
     The model's own `config` is updated; copy it into the run config with `record_shape`.
     """
-    from gptforge.compress.quant import refuse_moe
+    from gptforge.transforms.quant import refuse_moe
 
     refuse_moe(model, "structured pruning")
     check_criterion(pcfg.criterion)
