@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
-from gf_testutil import tiny_model
 from torch import nn
 
+from gf_testutil import tiny_model
 from gptforge.adapters import (
     LoraPair,
     adapter_state_dict,
@@ -183,3 +183,220 @@ def test_qkv_slices_of_different_ranks_are_one_exact_c_attn_adapter(tmp_path, do
     assert back.blocks[1].attn.qkv_proj.adapters["v"].r == 3
     for k, v in adapter_state_dict(m).items():
         torch.testing.assert_close(adapter_state_dict(back)[k], v, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------- merging
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_merged_equals_unmerged_and_merging_twice_is_merging_once(dora):
+    m, _ = _model()
+    apply_lora(m, LoraConfig(r=4, alpha=8, dora=dora, targets=["q", "k", "out_proj", "linear1", "linear2"]))
+    _randomize(m)
+    unmerged = _ours(m)
+    assert merge_adapters(m) == 8
+    once = _ours(m)
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    assert merge_adapters(m) == 0  # recorded: nothing merged a second time
+    torch.testing.assert_close(once, unmerged, atol=1e-5, rtol=0)
+    assert all(torch.equal(weights[k], v) for k, v in m.state_dict().items())
+    torch.testing.assert_close(_ours(unload(m)), once, atol=0, rtol=0)
+    assert type(m.blocks[0].attn.qkv_proj) is nn.Linear
+
+
+def test_a_head_adapter_is_refused_by_merge():
+    m, _ = _model()
+    apply_lora(m, LoraConfig(targets=["head"]))
+    with pytest.raises(UsageError, match="tied"):
+        merge_adapters(m)
+
+
+# ----------------------------------------------------------------------- quantized bases
+
+
+def _quantized():
+    from gptforge.compress.int8 import convert_model
+    from gptforge.compress.quant import quantize_model
+    from gptforge.config.schema import QuantizationConfig
+
+    m, _ = _model()
+    quantize_model(m, QuantizationConfig(enable=True))
+    m.train()
+    with torch.no_grad():
+        for _ in range(3):
+            m(IDS)  # the activation scales' moving averages
+    qat = copy.deepcopy(m.eval())
+    convert_model(m)
+    return qat, m
+
+
+def _int8_reference(lin, x):
+    """The INT8 layer as float arithmetic: fake-quantized input (static step) × dequantized weight."""
+    step = float(lin.input_scale)
+    xq = torch.fake_quantize_per_tensor_affine(x.clamp(-127 * step, 127 * step), step, 0, -127, 127)
+    return nn.functional.linear(xq, lin.dequantized_weight(), lin.bias)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_lora_over_int8_is_the_int8_output_plus_a_float_delta(dora):
+    _, m = _quantized()
+    apply_lora(m, LoraConfig(r=4, alpha=8, dora=dora, targets=["q", "v", "linear1"]))
+    _randomize(m)
+    for layer, name in ((m.blocks[0].linear1, "full"), (m.blocks[1].attn.qkv_proj, "v")):
+        base, pair = layer.base, layer.adapters[name]
+        x = torch.randn(2, 7, 64, requires_grad=True)
+        y_base = _int8_reference(base, x)
+        w = base.dequantized_weight()
+        rows = layer.slice_rows(y_base, name) if name == "full" else \
+            y_base.reshape(2, 7, -1, 3, 16)[..., 2, :].reshape(2, 7, -1)
+        delta = pair.scaling * (x @ pair.lora_A.T @ pair.lora_B.T)
+        if dora:
+            scale = pair.magnitude / torch.linalg.norm(layer.slice_rows(w, name) + pair.delta_weight(), dim=1)
+            b = layer.slice_rows(base.bias, name)
+            want_rows = rows + (scale - 1) * (rows - b) + scale * delta
+        else:
+            want_rows = rows + delta
+        got = layer(x)
+        got_rows = got if name == "full" else got.reshape(2, 7, -1, 3, 16)[..., 2, :].reshape(2, 7, -1)
+        torch.testing.assert_close(got_rows, want_rows, atol=1e-5, rtol=1e-5)
+        # The INT8 kernel has no gradient; the input gets the fake-quant twin's (straight-through).
+        g = torch.randn_like(got_rows)
+        (gx,) = torch.autograd.grad((got_rows * g).sum(), x)
+        (gref,) = torch.autograd.grad((want_rows * g).sum(), x)
+        assert gx.abs().max() > 0
+        torch.testing.assert_close(gx, gref, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_over_a_qat_base_adds_to_the_fake_quant_output():
+    qat, _ = _quantized()
+    lin = copy.deepcopy(qat.blocks[0].attn.out_proj)
+    apply_lora(qat, LoraConfig(r=4, targets=["out_proj"]))
+    _randomize(qat)
+    layer = qat.blocks[0].attn.out_proj
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), lin(x) + layer.adapters["full"].scaling * (
+            x @ layer.adapters["full"].lora_A.T @ layer.adapters["full"].lora_B.T), atol=1e-5, rtol=0)
+
+
+def test_merging_into_int8_requantizes_the_float_sum():
+    _, m = _quantized()
+    apply_lora(m, LoraConfig(r=4, alpha=8, targets=["linear1"]))
+    _randomize(m, scale=0.5)
+    layer = m.blocks[0].linear1
+    want = layer.base.dequantized_weight() + layer.adapters["full"].delta_weight().detach()
+    ints_before = layer.base.weight.clone()
+    merge_adapters(m)
+    merge_adapters(m)  # idempotent
+    step = layer.base.weight_scale[:, None]
+    got = layer.base.dequantized_weight()
+    assert layer.base.weight.dtype == torch.int8 and not torch.equal(layer.base.weight, ints_before)
+    assert torch.all((got - want).abs() <= step / 2 + 1e-6)  # one rounding of W_dq + ΔW on a fresh grid
+    torch.testing.assert_close(step.squeeze(1), want.abs().amax(1) / 127)
+
+
+# ------------------------------------------------------------------------- exact resume
+
+
+def _steps(model, opt, n):
+    model.train()
+    for _ in range(n):
+        loss = model(IDS[:, :-1], labels=IDS[:, 1:]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _lora_run(seed):
+    m, cfg = _model()
+    torch.manual_seed(seed)
+    apply_lora(m, LoraConfig(r=4, alpha=8, dora=True, dropout=0.1, targets=["q", "v", "linear2", "head"]))
+    opt = torch.optim.AdamW([p for _, p in trainable_parameters(m)], lr=1e-2)
+    return m, cfg, opt
+
+
+def test_adapter_and_optimizer_state_resume_exactly_through_a_step_checkpoint(tmp_path):
+    from gptforge.config.schema import MixPrecisionConfig
+    from gptforge.train import checkpoint as ckpt
+    from gptforge.train.precision import Precision
+
+    def parts(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), Precision(MixPrecisionConfig(), torch.device("cpu"))
+
+    m, _, opt = _lora_run(3)
+    torch.manual_seed(7)
+    _steps(m, opt, 4)
+    want = adapter_state_dict(m)
+
+    m, cfg, opt = _lora_run(3)
+    torch.manual_seed(7)
+    _steps(m, opt, 2)
+    sched, prec = parts(opt)
+    path = ckpt.save_checkpoint(tmp_path, 2, m, cfg, None, opt, sched, prec, {"run_id": "x"})
+    frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
+
+    m2, _, opt2 = _lora_run(99)  # other initial adapters: everything must come from the checkpoint
+    sched2, prec2 = parts(opt2)
+    ckpt.load_model_weights(path, m2)
+    ckpt.load_training_state(path, opt2, sched2, prec2)  # also the RNG (adapter dropout)
+    assert {n for n, p in m2.named_parameters() if not p.requires_grad} == frozen
+    _steps(m2, opt2, 2)
+    got = adapter_state_dict(m2)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    n, total = count_parameters(m2)
+    assert n == sum(t.numel() for t in got.values()) and 0 < n < total
+
+
+def test_adapter_state_dict_loads_back_and_refuses_another_shape():
+    m, _, _ = _lora_run(0)
+    _randomize(m)
+    sd = adapter_state_dict(m)
+    m2, _, _ = _lora_run(1)
+    load_adapter_state_dict(m2, sd)
+    torch.testing.assert_close(_ours(m2), _ours(m), atol=0, rtol=0)
+    m3, _ = _model()
+    apply_lora(m3, LoraConfig(r=2, targets=["q", "v", "linear2", "head"], dora=True))
+    with pytest.raises(CheckpointError, match="shape"):
+        load_adapter_state_dict(m3, sd)
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (LoraConfig(layers=[7]), r"lora.layers: \[7\] match no block"),
+    (LoraConfig(targets=["c_attn"]), r"lora.targets: \['c_attn'\] not among"),
+    (LoraConfig(targets=[]), "lora.targets: empty"),
+    (LoraConfig(targets=["qkv", "q"]), "overlap"),
+    (LoraConfig(r=0), "lora.r: must be a positive integer"),
+    (LoraConfig(init="pissa"), "lora.init"),
+])
+def test_a_target_that_matches_nothing_is_a_one_line_error(cfg, match):
+    m, _ = _model()
+    with pytest.raises(ConfigError, match=match) as e:
+        apply_lora(m, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_expert_tensors_are_refused():
+    torch.manual_seed(0)
+    m, _ = tiny_model("Model.vocab_size=512", "Model.num_experts=2")
+    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
+        apply_lora(m, LoraConfig(targets=["linear1"]))
+    apply_lora(m, LoraConfig(targets=["q", "out_proj"]))  # attention of an MoE model is fine
+
+
+def test_peft_options_without_a_meaning_here_are_refused(tmp_path):
+    m, _ = _model()
+    apply_lora(m, LoraConfig(targets=["linear1"]))
+    save_adapter(m, tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["wte"]}))
+    with pytest.raises(CheckpointError, match="modules_to_save"):
+        load_adapter(_model()[0], tmp_path / "a")
+    with pytest.raises(CheckpointError, match="not found"):
+        load_adapter(_model()[0], tmp_path / "nowhere")
+    other, _ = tiny_model("Model.vocab_size=512", "Model.hidden_size=32", "Model.num_attention_heads=2")
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_adapter(other, tmp_path / "a")
