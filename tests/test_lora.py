@@ -400,3 +400,67 @@ def test_peft_options_without_a_meaning_here_are_refused(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="do not fit"):
         load_adapter(other, tmp_path / "a")
+
+
+# ------------------------------------------------------------------------------- the CLI
+
+
+def _adapter_pair(tmp_path, base, cfg, dora=False, scale=0.2):
+    from gptforge.model_io import save_model_dir
+
+    save_model_dir(base, cfg, tmp_path / "base")
+    m = copy.deepcopy(base)
+    apply_lora(m, LoraConfig(r=4, alpha=8, dora=dora, targets=["q", "v", "linear1", "linear2"]))
+    _randomize(m, scale)
+    save_adapter(m, tmp_path / "adapter")
+    return m
+
+
+def test_export_and_merge_verbs_merge_once(tmp_path, run_cli):
+    from gptforge.model_io import load_model
+
+    base, cfg = _model()
+    m = _adapter_pair(tmp_path, base, cfg, dora=True)
+    want = _ours(m)
+    code, out, err = run_cli("export", "--format", "hf", "--ckpt", tmp_path / "base", "--adapter",
+                             tmp_path / "adapter", "--out", tmp_path / "hf")
+    assert code == 0, err
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    torch.testing.assert_close(_theirs(hf), want, atol=1e-5, rtol=0)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["gptforge_merged_adapters"][0]["sha256"]
+
+    code, out, err = run_cli("merge", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "adapter",
+                             "--out", tmp_path / "merged")
+    assert code == 0, err
+    assert "adapter merged" in out
+    merged, _ = load_model(tmp_path / "merged")
+    torch.testing.assert_close(_ours(merged), want, atol=1e-5, rtol=0)
+    code, out, err = run_cli("merge", "--ckpt", tmp_path / "merged", "--adapter", tmp_path / "adapter",
+                             "--out", tmp_path / "twice")
+    assert code == 0 and "weights unchanged" in out, err
+    again, _ = load_model(tmp_path / "twice")
+    for k, v in merged.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+    code, out, err = run_cli("merge", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "nope", "--out",
+                             tmp_path / "x")
+    assert code == 2 and "not a PEFT adapter directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_merge_into_an_int8_base_requantizes_and_reports(tmp_path, run_cli):
+    from gptforge.compress.int8 import converted_config
+    from gptforge.config.schema import QuantizationConfig
+    from gptforge.model_io import load_model
+
+    _, int8 = _quantized()
+    _, cfg = _model()
+    cfg.Compress.Quantization = converted_config(QuantizationConfig(enable=True), False, [])
+    m = _adapter_pair(tmp_path, int8, cfg, scale=0.02)  # deltas of about the size of the weights
+    code, out, err = run_cli("merge", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "adapter",
+                             "--out", tmp_path / "merged")
+    assert code == 0, err
+    assert "re-quantized" in out and "argmax agreement" in out
+    merged, _ = load_model(tmp_path / "merged")
+    assert merged.blocks[0].linear1.weight.dtype == torch.int8
+    want, got = _ours(m), _ours(merged)
+    effect = (want - _ours(int8)).abs().max()
+    assert effect > 0.02 and (got - want).abs().max() < 0.25 * effect  # one weight re-quantization away

@@ -371,3 +371,18 @@ def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module
     kept as it was). One call, so any model loader can offer `--adapter DIR`."""
     load_adapter(model, adapter_dir)
     return model
+
+
+def adapter_digest(adapter_dir: str | os.PathLike) -> str:
+    """sha256 of the adapter's config and weights: the identity a merge records."""
+    import hashlib
+
+    path = Path(adapter_dir)
+    if not is_adapter_dir(path) or not (path / WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"{path}: not a PEFT adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(path / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
