@@ -85,7 +85,7 @@ def _wrapper(model: nn.Module, name: str, key: str) -> LoraLinear:
         raise ConfigError(f"{key}.targets: {name} is a {type(mod).__name__}; adapters go on plain, fake-quant "
                           "(QAT/PTQ) or INT8 Linears")
     head_dim = model.get_submodule(name.rpartition(".")[0]).head_dim if name.endswith("qkv_proj") else None
-    wrapped = LoraLinear(mod, head_dim)
+    wrapped = LoraLinear(mod, head_dim).train(mod.training)
     _set(model, name, wrapped)
     return wrapped
 
@@ -93,6 +93,7 @@ def _wrapper(model: nn.Module, name: str, key: str) -> LoraLinear:
 def attach(model: nn.Module, path: str, name: str, pair: LoraPair, key: str = "lora") -> None:
     """Put `pair` on block Linear `path` (`full`, or slice q/k/v of a fused QKV)."""
     wrapped = _wrapper(model, path, key)
+    pair.to(wrapped.base.weight.device).train(wrapped.training)
     if name in wrapped.adapters or (wrapped.adapters and (name == FULL or FULL in wrapped.adapters)):
         raise ConfigError(f"{key}: {path} already has an adapter over the rows of {name!r}")
     wrapped.add(name, pair)
@@ -100,7 +101,7 @@ def attach(model: nn.Module, path: str, name: str, pair: LoraPair, key: str = "l
 
 def attach_head(model: nn.Module, pair: LoraPair) -> None:
     """Put `pair` on the vocabulary projection (see layers.LoraHead)."""
-    model.wte = LoraHead(model.wte, pair)
+    model.wte = LoraHead(model.wte, pair.to(model.wte.weight.device)).train(model.training)
     install_head(model)
 
 

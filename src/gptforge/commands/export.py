@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="hf: split model.safetensors into shards of at most SIZE (e.g. 500MB; default 5GB)")
     p.add_argument("--no-check", action="store_true", help="onnx/torch: skip the check against the PyTorch model")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA/DoRA adapter directory (PEFT format) to merge into the "
-                   "model before exporting (as `gptforge merge`)")
+    p.add_argument("--adapter", dest="merge_adapter", metavar="DIR",
+                   help="a LoRA/DoRA adapter directory (PEFT format) to merge into the model before exporting "
+                        "(as `gptforge merge`)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
 
 
@@ -86,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
         parse_size(args.max_shard_size)
     ckpt = resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
-    if args.adapter:
+    if args.merge_adapter:
         from gptforge.adapters.peft_format import adapter_digest
 
-        adapter_digest(args.adapter)  # so is a missing or broken adapter
+        adapter_digest(args.merge_adapter)  # so is a missing or broken adapter
     from gptforge.finetune.classifier import is_classifier_dir
     from gptforge.run_lock import lock_output
 
@@ -99,15 +100,15 @@ def run(args: argparse.Namespace) -> int:
             check_export_extra()
         cfg = config_from_args(args)
         if is_classifier_dir(ckpt):
-            if args.adapter:
+            if args.merge_adapter:
                 raise UsageError("--adapter applies to language models; this checkpoint is a classifier")
             return _classifier(ckpt, cfg, args)
         model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
         args.merge_info = None
-        if args.adapter:
+        if args.merge_adapter:
             from gptforge.commands.merge import merge_into
 
-            args.merge_info = merge_into(model, ckpt, args.adapter)
+            args.merge_info = merge_into(model, ckpt, args.merge_adapter)
         # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
         if args.format == "hf":
             return _hf(model, cfg, tok, args)

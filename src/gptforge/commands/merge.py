@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Merge a LoRA/DoRA adapter directory (PEFT format) into its base model: a plain model directory "
                      "(default) or an HF transformers GPT-2 directory.")
     add_config_args(p, ckpt_help="the base model directory (ours, HF GPT-2, QAT/PTQ or INT8)")
-    p.add_argument("--adapter", metavar="DIR", required=True, help="the adapter directory (adapter_config.json + "
-                   "adapter_model.safetensors, ours or peft's)")
+    p.add_argument("--adapter", dest="merge_adapter", metavar="DIR", required=True,
+                   help="the adapter directory (adapter_config.json + adapter_model.safetensors, ours or peft's)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
     p.add_argument("--format", default="model", choices=FORMATS,
                    help="model (default): our model directory; hf: a transformers GPT-2 directory")
@@ -119,12 +119,12 @@ def run(args: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint_path(args.ckpt) if args.ckpt else None
     if ckpt is None:
         raise UsageError("give the base model with --ckpt DIR")
-    adapter_digest(args.adapter)  # a missing or broken adapter is reported before the model loads
+    adapter_digest(args.merge_adapter)  # a missing or broken adapter is reported before the model loads
     with lock_output(args.out, "merge"):
         ensure_out_dir(args.out, args.force)
         cfg = config_from_args(args)
         model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
-        info = merge_into(model, ckpt, args.adapter)
+        info = merge_into(model, ckpt, args.merge_adapter)
         if args.format == "hf":
             from gptforge.export.hf import save_hf
 
