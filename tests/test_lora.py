@@ -464,3 +464,29 @@ def test_merge_into_an_int8_base_requantizes_and_reports(tmp_path, run_cli):
     want, got = _ours(m), _ours(merged)
     effect = (want - _ours(int8)).abs().max()
     assert effect > 0.02 and (got - want).abs().max() < 0.25 * effect  # one weight re-quantization away
+
+
+def test_generate_and_eval_load_an_adapter_over_the_checkpoint(tmp_path, run_cli):
+    import argparse
+
+    from gptforge.commands.common import load_model_and_tokenizer
+    from gptforge.config import load_config
+
+    base, cfg = _model()
+    m = _adapter_pair(tmp_path, base, cfg)
+    args = argparse.Namespace(ckpt=str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+    loaded, _, _ = load_model_and_tokenizer(args, load_config(), device="cpu")
+    assert not loaded.training
+    torch.testing.assert_close(_ours(loaded), _ours(m), atol=1e-6, rtol=0)
+    code, out, err = run_cli("generate", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "adapter",
+                             "--prompt", "a", "-o", "Generation.max_dec_len=3",
+                             "-o", "Generation.decode_strategy=greedy_search", "--json", tmp_path / "g.json")
+    assert code == 0, err
+    got = json.loads((tmp_path / "g.json").read_text())["results"][0]["completions"][0]["token_ids"]
+    want = torch.tensor([[64]])  # "a"
+    with torch.no_grad():
+        for _ in range(3):
+            want = torch.cat([want, m(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert got == want[0, 1:].tolist()  # greedy with the adapter on
+    code, _, err = run_cli("generate", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "missing", "--prompt", "a")
+    assert code == 2 and "adapter directory not found" in err
