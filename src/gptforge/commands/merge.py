@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, ckpt_help="the base model directory (ours, HF GPT-2, QAT/PTQ or INT8)")
     p.add_argument("--adapter", dest="merge_adapter", metavar="DIR", required=True,
                    help="the adapter directory (adapter_config.json + adapter_model.safetensors, ours or peft's)")
-    p.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
+    p.add_argument("--out", metavar="DIR", required=True, help="the merged model directory DIR (required; written "
+                   "atomically)")
     p.add_argument("--format", default="model", choices=FORMATS,
                    help="model (default): our model directory; hf: a transformers GPT-2 directory")
     p.add_argument("--force", action="store_true", help="overwrite --out")
@@ -120,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     if ckpt is None:
         raise UsageError("give the base model with --ckpt DIR")
     adapter_digest(args.merge_adapter)  # a missing or broken adapter is reported before the model loads
-    with lock_output(args.out, "merge"):
+    from gptforge.progress import task
+
+    with lock_output(args.out, "merge"), task(f"merge: adapter into the base, write a {args.format} directory"):
         ensure_out_dir(args.out, args.force)
         cfg = config_from_args(args)
         model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
