@@ -18,6 +18,7 @@ from gptforge.adapters import (
     LoraPair,
     adapter_state_dict,
     apply_lora,
+    base_state_dict,
     count_parameters,
     load_adapter_state_dict,
     merge_adapters,
@@ -345,6 +346,16 @@ def test_adapter_and_optimizer_state_resume_exactly_through_a_step_checkpoint(tm
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     n, total = count_parameters(m2)
     assert n == sum(t.numel() for t in got.values()) and 0 < n < total
+
+
+def test_base_state_dict_is_the_plain_model_without_its_adapters():
+    base, _ = _model()
+    m = copy.deepcopy(base)
+    apply_lora(m, LoraConfig(targets=["q", "linear2", "head"], dora=True))
+    _randomize(m)
+    sd = base_state_dict(m)
+    assert sd.keys() == base.state_dict().keys()
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in sd.items())
 
 
 def test_adapter_state_dict_loads_back_and_refuses_another_shape():

@@ -185,6 +185,22 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu").contiguous().clone() for n, p in trainable_parameters(model)}
 
 
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's tensors under the plain model's names (`.base.` dropped, adapters left
+    out, unmerged): what `model_io.load_model` reads back without the adapters."""
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, (LoraLinear, LoraHead))]
+    out = {}
+    for k, v in model.state_dict().items():
+        if _is_adapter_param(k):
+            continue
+        for w in wrapped:
+            if k.startswith(w + ".base."):
+                k = w + "." + k[len(w) + len(".base."):]
+                break
+        out[k] = v.detach().to("cpu").contiguous().clone()
+    return out
+
+
 @torch.no_grad()
 def load_adapter_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "adapter state") -> None:
     """Copy adapter tensors into a model with the same adapters (in place; identities kept)."""
