@@ -278,6 +278,10 @@ def test_lora_over_a_qat_base_adds_to_the_fake_quant_output():
     with torch.no_grad():
         torch.testing.assert_close(layer(x), lin(x) + layer.adapters["full"].scaling * (
             x @ layer.adapters["full"].lora_A.T @ layer.adapters["full"].lora_B.T), atol=1e-5, rtol=0)
+    scales = {k: v.clone() for k, v in layer.state_dict().items() if "act_" in k}
+    _steps(qat, torch.optim.SGD([p for _, p in trainable_parameters(qat)], lr=0.1), 1)
+    assert layer.adapters["full"].training and not layer.base.training
+    assert scales and all(torch.equal(v, layer.state_dict()[k]) for k, v in scales.items())  # frozen base
 
 
 def test_merging_into_int8_requantizes_the_float_sum():

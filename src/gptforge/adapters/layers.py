@@ -163,6 +163,13 @@ class LoraLinear(nn.Module):
         self.adapters = nn.ModuleDict()
         self.merged = False
 
+    def train(self, mode: bool = True) -> LoraLinear:
+        """The adapters follow `mode`; the frozen base stays in eval mode (a fake-quant base
+        keeps its activation scales instead of updating them as in QAT)."""
+        super().train(mode)
+        self.base.train(False)
+        return self
+
     @property
     def in_features(self) -> int:
         return self.base.in_features
