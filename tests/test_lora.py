@@ -83,8 +83,9 @@ def _theirs(pm):
 # ------------------------------------------------------------------------------- a layer
 
 
-@pytest.mark.parametrize("dora,rslora", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_layer_equals_peft(dora, rslora):
+@pytest.mark.parametrize("dora,rslora,dropout", [(False, False, 0.0), (True, False, 0.0), (False, True, 0.0),
+                                                 (True, True, 0.0), (False, False, 0.3), (True, False, 0.3)])
+def test_a_layer_equals_peft(dora, rslora, dropout):
     torch.manual_seed(0)
     lin = nn.Linear(24, 40)
 
@@ -97,14 +98,14 @@ def test_a_layer_equals_peft(dora, rslora):
             return self.lin(x)
 
     pm = peft.get_peft_model(Net(), peft.LoraConfig(r=4, lora_alpha=6, target_modules=["lin"], use_dora=dora,
-                                                    use_rslora=rslora))
+                                                    use_rslora=rslora, lora_dropout=dropout))
     torch.nn.init.normal_(pm.base_model.model.lin.lora_B["default"].weight, 0, 0.3)
     if dora:
         with torch.no_grad():
             pm.base_model.model.lin.lora_magnitude_vector["default"].weight.mul_(1.3)
     layer = pm.base_model.model.lin
     ours = LoraLinear(copy.deepcopy(lin))
-    pair = LoraPair(24, 40, 4, 6, rslora, dora=dora)
+    pair = LoraPair(24, 40, 4, 6, rslora, dropout=dropout, dora=dora)
     with torch.no_grad():
         pair.lora_A.copy_(layer.lora_A["default"].weight)
         pair.lora_B.copy_(layer.lora_B["default"].weight)
@@ -114,9 +115,17 @@ def test_a_layer_equals_peft(dora, rslora):
     assert pair.scaling == pytest.approx(layer.scaling["default"], rel=1e-12)  # rsLoRA: alpha/sqrt(r)
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
-        want, got = pm(x), ours(x)
+        want, got = pm.eval()(x), ours.eval()(x)
     assert (got - lin(x)).abs().max() > 1e-2  # the adapter does something
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    if dropout:  # training: the same dropout mask (one draw of the same RNG) gives the same output
+        pm.train()
+        ours.train()
+        torch.manual_seed(5)
+        want = pm(x)
+        torch.manual_seed(5)
+        got = ours(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- the model
