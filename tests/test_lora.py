@@ -459,6 +459,11 @@ def test_export_and_merge_verbs_merge_once(tmp_path, run_cli):
     assert "adapter merged" in out
     merged, _ = load_model(tmp_path / "merged")
     torch.testing.assert_close(_ours(merged), want, atol=1e-5, rtol=0)
+    code, out, err = run_cli("merge", "--ckpt", tmp_path / "hf", "--adapter", tmp_path / "adapter",
+                             "--out", tmp_path / "hf2", "--format", "hf")  # the export recorded the merge
+    assert code == 0 and "weights unchanged" in out, err
+    hf2 = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf2")).eval()
+    torch.testing.assert_close(_theirs(hf2), want, atol=1e-5, rtol=0)
     code, out, err = run_cli("merge", "--ckpt", tmp_path / "merged", "--adapter", tmp_path / "adapter",
                              "--out", tmp_path / "twice")
     assert code == 0 and "weights unchanged" in out, err
@@ -514,3 +519,28 @@ def test_generate_and_eval_load_an_adapter_over_the_checkpoint(tmp_path, run_cli
     assert got == want[0, 1:].tolist()  # greedy with the adapter on
     code, _, err = run_cli("generate", "--ckpt", tmp_path / "base", "--adapter", tmp_path / "missing", "--prompt", "a")
     assert code == 2 and "adapter directory not found" in err
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_head_adapter_over_an_int8_embedding_adds_to_its_projection(dora):
+    from gptforge.compress.int8 import Int8Embedding, convert_model
+
+    qat, _ = _quantized()
+    convert_model(qat, int8_embedding=True)
+    emb = qat.wte
+    assert isinstance(emb, Int8Embedding)
+    apply_lora(qat, LoraConfig(r=4, targets=["head"], dora=dora))
+    _randomize(qat)
+    pair = qat.wte.pair
+    h = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        y = emb.project(h)
+        delta = pair.scaling * (h @ pair.lora_A.T @ pair.lora_B.T)
+        if dora:
+            scale = pair.magnitude / torch.linalg.norm(emb.dequantized_weight() + pair.delta_weight(), dim=1)
+            want = y + (scale - 1) * y + scale * delta
+        else:
+            want = y + delta
+        torch.testing.assert_close(qat.logits(h), want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(qat.wte(IDS), emb(IDS))  # lookups are the embedding's own
+        assert qat(IDS).logits.shape == (2, 11, 512)
