@@ -251,6 +251,8 @@ def _int8_reference(lin, x):
 def test_lora_over_int8_is_the_int8_output_plus_a_float_delta(dora):
     _, m = _quantized()
     apply_lora(m, LoraConfig(r=4, alpha=8, dora=dora, targets=["q", "v", "linear1"]))
+    n, total = count_parameters(m)
+    assert total > sum(p.numel() for p in m.parameters())  # the int8 weights count
     _randomize(m)
     for layer, name in ((m.blocks[0].linear1, "full"), (m.blocks[1].attn.qkv_proj, "v")):
         base, pair = layer.base, layer.adapters[name]
@@ -420,6 +422,9 @@ def test_peft_options_without_a_meaning_here_are_refused(tmp_path):
         load_adapter(_model()[0], tmp_path / "a")
     with pytest.raises(CheckpointError, match="not found"):
         load_adapter(_model()[0], tmp_path / "nowhere")
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(CheckpointError, match="lacks lora_magnitude_vector"):
+        load_adapter(_model()[0], tmp_path / "a")
     other, _ = tiny_model("Model.vocab_size=512", "Model.hidden_size=32", "Model.num_attention_heads=2")
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="do not fit"):

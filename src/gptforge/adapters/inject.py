@@ -33,7 +33,7 @@ from gptforge.adapters.layers import (
     effective_weight,
     slice_rows,
 )
-from gptforge.compress.int8 import Int8Linear
+from gptforge.compress.int8 import Int8Embedding, Int8Linear
 from gptforge.compress.quant import QuantLinear, install_head
 from gptforge.config.schema import LoraConfig
 from gptforge.errors import ConfigError, UsageError
@@ -168,9 +168,11 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable adapter parameters, all parameters of the model with its adapters)."""
+    """(trainable adapter parameters, all weights of the model with its adapters; an INT8
+    layer's int8 weight counts, though it is a buffer)."""
+    int8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, Int8Linear | Int8Embedding))
     return (sum(p.numel() for _, p in trainable_parameters(model)),
-            sum(p.numel() for p in model.parameters()))
+            sum(p.numel() for p in model.parameters()) + int8)
 
 
 def describe(model: nn.Module) -> str:

@@ -336,7 +336,11 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
         raise CheckpointError(f"{path / WEIGHTS_FILE}: holds no LoRA tensors")
     for p in model.parameters():
         p.requires_grad_(False)
+    dora = bool(config.get("use_dora"))
     for hf, t in sorted(modules.items()):
+        if ("m" in t) != dora:
+            raise CheckpointError(f"{path / WEIGHTS_FILE}: {hf} {'lacks' if dora else 'has'} lora_magnitude_vector "
+                                  f"but {CONFIG_FILE} says use_dora={dora}")
         alpha = _pattern(config.get("alpha_pattern"), hf)
         alpha = float(config.get("lora_alpha", 8) if alpha is None else alpha)
         if hf == "lm_head":
