@@ -549,3 +549,15 @@ def test_a_head_adapter_over_an_int8_embedding_adds_to_its_projection(dora):
         torch.testing.assert_close(qat.logits(h), want, atol=1e-5, rtol=1e-5)
         assert torch.equal(qat.wte(IDS), emb(IDS))  # lookups are the embedding's own
         assert qat(IDS).logits.shape == (2, 11, 512)
+
+
+def test_every_adapter_gets_a_gradient_under_bf16_autocast():
+    m, _ = _model()
+    apply_lora(m, LoraConfig(dora=True, dropout=0.1, targets=["all", "head"]))
+    _randomize(m, 0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m.train()(IDS[:, :-1], labels=IDS[:, 1:])
+    out.loss.backward()
+    grads = [p.grad for _, p in trainable_parameters(m)]
+    assert len(grads) == 8 * 3 + 3 and all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert not any(p.grad is not None for n, p in m.named_parameters() if not p.requires_grad)

@@ -114,7 +114,7 @@ class LoraPair(nn.Module):
             base = F.linear(xd, weight.detach())
         else:
             base = y if bias is None else y - bias
-        return y + (scale - 1) * base + scale * lora * self.scaling
+        return y + ((scale - 1) * base + scale * lora * self.scaling).to(y.dtype)
 
     def extra_repr(self) -> str:
         out, inp = self.lora_B.shape[0], self.lora_A.shape[1]
