@@ -31,6 +31,7 @@ from gptforge.config.schema import LoraConfig
 from gptforge.errors import CheckpointError, ConfigError, UsageError
 from lora_support import (
     ALL,
+    IDS,
     _hf,
     _model,
     _ours,
@@ -276,12 +277,16 @@ def test_a_target_that_matches_nothing_is_a_one_line_error(cfg, match):
     assert "\n" not in str(e.value)
 
 
-def test_moe_expert_tensors_are_refused():
+def test_moe_expert_tensors_are_refused(tmp_path):
     torch.manual_seed(0)
     m, _ = tiny_model("Model.vocab_size=512", "Model.num_experts=2")
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):
         apply_lora(m, LoraConfig(targets=["linear1"]))
     apply_lora(m, LoraConfig(targets=["q", "out_proj"]))  # attention of an MoE model is fine
+    m.eval()(IDS)
+    with pytest.raises(UsageError, match="no PEFT form"):
+        save_adapter(m, tmp_path / "a")
+    merge_adapters(m)
 
 
 def test_peft_options_without_a_meaning_here_are_refused(tmp_path):

@@ -79,6 +79,9 @@ def _qkv_from_hf(t: torch.Tensor, hd: int) -> torch.Tensor:
 def _check_uniform(model: nn.Module) -> None:
     hidden = model.wte.weight.shape[1]
     for i, blk in enumerate(model.blocks):
+        if getattr(blk, "moe", None) is not None:
+            raise UsageError(f"blocks.{i} is a Mixture-of-Experts layer: an MoE model has no HF GPT-2 export, so its "
+                             "adapters have no PEFT form; merge them instead (gptforge merge)")
         qkv = blk.attn.qkv_proj
         if qkv.out_features != 3 * hidden or blk.linear1.out_features != model.blocks[0].linear1.out_features:
             raise UsageError(f"blocks.{i} has a pruned shape: an adapter of a pruned model has no PEFT form over the "
