@@ -182,6 +182,12 @@ def test_merged_equals_unmerged_and_merging_twice_is_merging_once(dora):
     assert merge_adapters(m) == 0  # recorded: nothing merged a second time
     torch.testing.assert_close(once, unmerged, atol=1e-5, rtol=0)
     assert all(torch.equal(weights[k], v) for k, v in m.state_dict().items())
+    again = copy.deepcopy(m)  # the merged state travels with the weights (a checkpoint of a merged model)
+    for mod in again.modules():
+        if isinstance(mod, LoraLinear):
+            mod.merged = False
+    again.load_state_dict(m.state_dict())
+    assert merge_adapters(again) == 0
     torch.testing.assert_close(_ours(unload(m)), once, atol=0, rtol=0)
     assert type(m.blocks[0].attn.qkv_proj) is nn.Linear
 

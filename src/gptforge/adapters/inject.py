@@ -193,7 +193,7 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     wrapped = [n for n, m in model.named_modules() if isinstance(m, (LoraLinear, LoraHead))]
     out = {}
     for k, v in model.state_dict().items():
-        if _is_adapter_param(k):
+        if _is_adapter_param(k) or k.endswith(".lora_merged"):
             continue
         for w in wrapped:
             if k.startswith(w + ".base."):

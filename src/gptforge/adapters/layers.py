@@ -161,7 +161,16 @@ class LoraLinear(nn.Module):
         self.base = base
         self.head_dim = head_dim  # set for the fused QKV projection (slices by head)
         self.adapters = nn.ModuleDict()
-        self.merged = False
+        # Saved with the weights: a merged layer reloaded from a checkpoint is not merged again.
+        self.register_buffer("lora_merged", torch.zeros((), dtype=torch.bool, device=base.weight.device))
+
+    @property
+    def merged(self) -> bool:
+        return bool(self.lora_merged)
+
+    @merged.setter
+    def merged(self, value: bool) -> None:
+        self.lora_merged.fill_(bool(value))
 
     def train(self, mode: bool = True) -> LoraLinear:
         """The adapters follow `mode`; the frozen base stays in eval mode (a fake-quant base
