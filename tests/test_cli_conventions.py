@@ -31,6 +31,7 @@ WRITERS = {  # verb (and sub-command) -> what its help must name as the default 
     ("analyze",): "DIR",
     ("prune",): "DIR",
     ("export",): "DIR",
+    ("merge",): "DIR",
     ("convert",): "DIR",
     ("demo",): "runs/demo",
 }

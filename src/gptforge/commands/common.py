@@ -58,13 +58,24 @@ def require_ckpt(args: argparse.Namespace, flag: str = "--ckpt") -> str:
     return path
 
 
+def add_adapter_arg(p: argparse.ArgumentParser) -> None:
+    """`--adapter DIR`: a LoRA/DoRA adapter applied over `--ckpt` by `load_model_and_tokenizer`."""
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA/DoRA adapter directory (PEFT format: ours or peft's) "
+                   "applied over --ckpt (docs/lora.md)")
+
+
 def load_model_and_tokenizer(args: argparse.Namespace, cfg: Config, device=None):
-    """(model in eval mode, config with the checkpoint's shape, tokenizer) for `--ckpt`."""
+    """(model in eval mode, config with the checkpoint's shape, tokenizer) for `--ckpt`, with
+    `--adapter DIR` (when the verb has it) applied."""
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import load_model, resolve_checkpoint_path
 
     path = resolve_checkpoint_path(require_ckpt(args))
     model, cfg = load_model(path, cfg, device=device)
+    if getattr(args, "adapter", None):
+        from gptforge.adapters.peft_format import apply_adapter
+
+        model = apply_adapter(model, args.adapter)
     tok = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
     return model, cfg, tok
 

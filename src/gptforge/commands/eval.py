@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_adapter_arg, add_config_args
 from gptforge.errors import UsageError
 
 
@@ -15,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "With --harness: lm-eval tasks from local task YAMLs."
     )
     add_config_args(p)
+    add_adapter_arg(p)
     p.add_argument("--out", "--output", dest="output", metavar="FILE",
                    help="results JSON (default: Offline_Eval.output, else ./eval_results_<task>.json in the working "
                         "directory; never inside the checkpoint unless given here)")

@@ -16,13 +16,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gptforge.commands.common import add_config_args, config_from_args, require_ckpt, select_device
+from gptforge.commands.common import (
+    add_adapter_arg,
+    add_config_args,
+    config_from_args,
+    require_ckpt,
+    select_device,
+)
 from gptforge.errors import DataError, UsageError
 from gptforge.fsguard import check_path_kind, disk_full_guard
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
+    add_adapter_arg(p)
     add_prompt_arguments(p)
 
 
