@@ -205,6 +205,34 @@ def test_request_timeout_cancels_and_answers_504(model, tok):
         assert ok.status_code == 200
 
 
+def test_tokenizing_runs_off_the_event_loop(model, tok):
+    """A prompt that takes long to encode holds no one else up: /health and other requests go on."""
+    m, cfg = model
+    with serving(m, tok, cfg.Generation) as s:
+        inner, started = tok.encode, threading.Event()
+
+        def slow_encode(text):
+            if text.startswith("SLOW"):
+                started.set()
+                time.sleep(3)
+            return inner(text)
+
+        tok.encode = slow_encode  # the instance only (gpt2_tokenizer() is shared)
+        try:
+            slow = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "SLOW prompt", "max_tokens": 2}))
+            slow.start()
+            assert started.wait(10)
+            t0 = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=5, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert r.status_code == 200 and time.monotonic() - t0 < 2.5 and slow.is_alive()
+            slow.join(30)
+        finally:
+            del tok.encode
+
+
 # -- a real `gptforge serve` process ------------------------------------------------------------
 
 
