@@ -205,6 +205,20 @@ def test_request_timeout_cancels_and_answers_504(model, tok):
         assert ok.status_code == 200
 
 
+def test_an_unexpected_error_is_an_openai_500_counted_and_logged_once(model, tok, caplog):
+    m, cfg = model
+    with serving(m, tok, cfg.Generation) as s:
+        s.state.chat.render = lambda messages: 1 / 0  # a bug in a handler
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        with caplog.at_level("ERROR", logger="gptforge.serve"):
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert [rec.exc_info[0] for rec in caplog.records if rec.name == "gptforge.serve"] == [ZeroDivisionError]
+        assert 'endpoint="/v1/chat/completions",status="500"} 1.0' in httpx.get(s.url + "/metrics").text
+        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                          timeout=30).status_code == 200
+
+
 def test_tokenizing_runs_off_the_event_loop(model, tok):
     """A prompt that takes long to encode holds no one else up: /health and other requests go on."""
     m, cfg = model
