@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads: must be >= 1, got {args.threads}")
+    if args.flag_device not in (None, "auto", "cpu"):
+        raise UsageError(f"--device {args.flag_device}: gptforge infer runs onnxruntime on the CPU; use auto or cpu "
+                         "(or gptforge generate --ckpt MODEL_DIR --device ... for the PyTorch model)")
     prompts = read_prompts(args)
     try:
         import onnxruntime  # noqa: F401
@@ -53,9 +56,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"gptforge infer needs onnxruntime, which is not installed: {EXTRA_HINT}") from None
     path, _ = read_export_dir(args.onnx, "onnx")
     cfg = load_export_config(path, args.config, args.override)
-    if args.flag_device not in (None, "auto", "cpu"):
-        raise UsageError(f"--device {args.flag_device}: gptforge infer runs onnxruntime on the CPU; use auto or cpu "
-                         "(or gptforge generate --ckpt MODEL_DIR --device ... for the PyTorch model)")
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
     from gptforge.commands.generate import load_draft_for
