@@ -17,11 +17,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import gptforge
 from gf_testutil import spread_gpt2_vocab_dir
 from gptforge.cli import VERBS, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = str(ROOT / "src")
+SRC = str(Path(gptforge.__file__).resolve().parents[1])  # the gptforge under test, for subprocesses
 GREEDY = ["-o", "Generation.decode_strategy=greedy_search"]
 
 
