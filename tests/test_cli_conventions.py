@@ -24,6 +24,7 @@ WRITERS = {  # verb (and sub-command) -> what its help must name as the default 
     ("pretrain",): "Engine.save_load.output_dir",
     ("finetune",): "Engine.save_load.output_dir",
     ("generate",): "stdout",
+    ("infer",): "stdout",
     ("eval",): "eval_results_",
     ("ptq",): "DIR",
     ("qat",): "Engine.save_load.output_dir",

@@ -20,7 +20,8 @@ STAGES = ["tokenizer", "data", "plan", "pretrain", "generate", "ptq", "qat", "an
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """(out dir, stdout) of one quick demo run (the CLI, in this process)."""
+    """(out dir, the stage log on stderr) of one quick demo run (the CLI, in this process); stdout
+    holds only the result line."""
     from gptforge.cli import main
 
     out = tmp_path_factory.mktemp("demo") / "run"
@@ -30,13 +31,14 @@ def demo(tmp_path_factory):
     import torch
 
     threads = torch.get_num_threads()
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    buf, log = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(log):
         code = main(["demo", "--quick", "--out", str(out)])
-    assert code == 0, buf.getvalue()[-3000:]
+    assert code == 0, log.getvalue()[-3000:]
     # the plan may train with another thread count; the caller's is restored
     assert torch.get_num_threads() == threads
-    return out, buf.getvalue()
+    assert buf.getvalue().startswith("gptforge demo: report ") and buf.getvalue().count("\n") == 1, buf.getvalue()
+    return out, log.getvalue()
 
 
 def test_every_stage_ran_and_recorded_its_commands(demo):
@@ -76,6 +78,7 @@ def test_report_numbers_are_finite_and_checks_are_stated(demo):
         assert f"| {label} |" in md
     checks = re.findall(r"^- (PASS|FAIL|n/a): (.+?):", md, flags=re.M)
     names = [name for _, name in checks]
+    assert dict((n, ok) for ok, n in checks)["QAT better than PTQ"] == "n/a"  # a --quick run cannot show it
     assert names[:3] == ["loss falls", "the float model learned the text", "QAT better than PTQ"]
     assert names[3] in ("pruned model faster than dense", "pruned vs dense speed")
     assert names[4:] == ["every number finite", "every stage ran"]
@@ -176,9 +179,9 @@ def test_refit_lowers_fine_tune_steps_on_a_slower_machine():
 def test_a_second_run_resumes(demo, run_cli):
     out, _ = demo
     before = json.loads((out / "demo_state.json").read_text())["stages"]
-    code, stdout, err = run_cli("demo", "--quick", "--out", out)
+    code, _, err = run_cli("demo", "--quick", "--out", out)
     assert code == 0, err
-    assert stdout.count("done in an earlier run") == len(STAGES) - 1  # the report is always rewritten
+    assert err.count("done in an earlier run") == len(STAGES) - 1  # the report is always rewritten
     after = json.loads((out / "demo_state.json").read_text())["stages"]
     assert {k: v["outputs"] for k, v in before.items() if k != "report"} == \
         {k: v["outputs"] for k, v in after.items() if k != "report"}

@@ -433,7 +433,8 @@ def test_cli_lambada_split_option(setup, run_cli, tmp_path):
 
 @pytest.mark.parametrize("args,msg", [
     (["-o", "Offline_Eval.eval_path=MISSING.txt"], "MISSING.txt: file not found"),
-    (["-o", "Offline_Eval.eval_path=WIKI"], "Offline_Eval.max_seq_len=1024: longer than the model's context"),
+    (["-o", "Offline_Eval.eval_path=WIKI", "-o", "Offline_Eval.max_seq_len=1024"],
+     "Offline_Eval.max_seq_len=1024: longer than the model's context"),
     ([], "Offline_Eval.eval_path: not set"),
 ])
 def test_cli_errors_are_one_line(setup, run_cli, args, msg):

@@ -63,7 +63,7 @@ def test_infer_errors_are_one_line(run_cli, fp32, tmp_path):
         assert code == 2 and err.startswith("gptforge infer: error:") and err.count("\n") == 1, err
         assert needle in err, err
 
-    fails("--prompt", "x", needle="--onnx DIR")
+    fails("--prompt", "x", needle="--ckpt DIR")
     fails("--onnx", tmp_path / "nope", "--prompt", "x", needle="not found")
     fails("--onnx", model_dir, "--prompt", "x", needle="a model directory, not an export")
     fails("--onnx", onnx_dir, needle="give a prompt")

@@ -241,6 +241,14 @@ def test_wheel_contains_every_recipe(wheel):
     assert "gptforge/config/recipes.py" in names and "gptforge/cli.py" in names
 
 
+def test_wheel_contains_the_docs_pages(wheel):
+    """`gptforge docs VERB` and every verb's --help point at pages a pip user has."""
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(n.split("/")[-1] for n in names if n.startswith("gptforge/docs/"))
+    assert shipped == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert "gptforge/commands/docs.py" in names
+
+
 @pytest.mark.slow
 def test_installed_wheel_runs_recipes_by_name(wheel, tmp_path):
     """A fresh venv with only the wheel installed (its dependencies borrowed from this
@@ -274,5 +282,8 @@ def test_installed_wheel_runs_recipes_by_name(wheel, tmp_path):
         shown = gf("config", "show", "-c", spec, "-o", "Engine.max_steps=5")
         assert shown.returncode == 0, shown.stderr
         assert yaml.safe_load(shown.stdout)["Engine"]["max_steps"] == 5
+    page = gf("docs", "generate")
+    assert page.returncode == 0 and page.stdout == (ROOT / "docs" / "generate.md").read_text(encoding="utf-8")
+    assert gf("docs", "serve", "--path").stdout.strip().startswith(str(venv))
     path = gf("config", "show", "--path", "-c", "pretrain_gpt_tiny_cpu").stdout.strip()
     assert path.startswith(str(venv)) and path.endswith("gptforge/recipes/pretrain_gpt_tiny_cpu.yaml")

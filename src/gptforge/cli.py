@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import signal
 import sys
@@ -38,6 +39,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "convert": ("gptforge.commands.convert", "convert checkpoints: HF GPT-2, PaddleFleetX .pdparams, distributed"),
     "demo": ("gptforge.commands.demo", "the whole life cycle on the built-in corpus, with a report"),
     "config": ("gptforge.commands.config", "list the packaged recipes, show a config, list every key"),
+    "docs": ("gptforge.commands.docs", "print a documentation page shipped with gptforge (gptforge docs <verb>)"),
 }
 
 
@@ -55,12 +57,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=("Run `gptforge <verb> --help` for a verb's options.\n"
                 "Recipes shipped with gptforge: `gptforge config list`; use one with -c NAME.\n"
-                "Docs: docs/<verb>.md in the gptforge source repository."),
+                "Docs: `gptforge docs <verb>` prints a verb's page (shipped with gptforge); `gptforge docs` lists them."),
     )
     parser.add_argument("--version", action="version", version=f"gptforge {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=_Parser)
     for name, (module, help_text) in VERBS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           epilog=f"Docs: gptforge docs {name}" if name != "docs" else None)
         if name == verb:
             importlib.import_module(module).add_arguments(p)
             add_output_conventions(p)
@@ -105,11 +108,55 @@ def _ignore_file_size_signal() -> None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
+def _unknown_verb(verb: str) -> int:
+    match = difflib.get_close_matches(verb, list(VERBS), n=1, cutoff=0.5)
+    hint = f" (did you mean {match[0]}?)" if match else ""
+    print(f"gptforge: error: unknown verb {verb!r}{hint} (see gptforge --help)", file=sys.stderr)
+    return 2
+
+
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)command parser that `args` was parsed by: `gptforge generate`, `gptforge tokenizer train`."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = next((a.choices[getattr(args, a.dest)] for a in subs
+                       if getattr(args, a.dest, None) in a.choices), None)
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Unrecognized arguments, reported by the verb that got them, pointing at its --help."""
+    leaf = _leaf_parser(parser, args)
+    hint = ""
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
+    if len(flags) == 1:
+        known = [o for o in leaf._option_string_actions if o.startswith("--")]
+        match = difflib.get_close_matches(flags[0].replace("_", "-"), known, n=1, cutoff=0.75)
+        hint = f" (did you mean {match[0]}?)" if match else ""
+    leaf.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
+def _quiet_closed_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so the interpreter's final flush does not
+    print a second BrokenPipeError."""
+    import os
+
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = _first_positional(argv)
-    parser = build_parser(verb if verb in VERBS else None)
-    args = parser.parse_args(argv)
+    if verb is not None and verb not in VERBS:
+        return _unknown_verb(verb)
+    parser = build_parser(verb)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _reject_unknown(parser, args, extras)
     if args.verb is None:
         parser.print_help()
         return 2
@@ -124,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.run(args) or 0)
     except GPTForgeError as e:
         return _print_error(args.verb, e)
+    except BrokenPipeError:  # `gptforge ... | head`: the reader has what it wanted
+        _quiet_closed_stdout()
+        return 0
     except Exception as e:
         # Last resort for a write site that does not translate a full disk itself.
         code = disk_full_errno(e)
@@ -134,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gptforge {args.verb}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `gptforge ... | head`
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

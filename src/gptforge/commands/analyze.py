@@ -1,10 +1,14 @@
 """`gptforge analyze`: per-layer quantization sensitivity (spec §9, PaddleSlim AnalysisQAT).
 
-    gptforge analyze --qat-ckpt output_qat --float-ckpt runs/float/step_1000 --eval-path lambada_test.jsonl \\
+    gptforge analyze --ckpt output_qat --float-ckpt runs/float/step_1000 --eval-path lambada_test.jsonl \\
         -o Offline_Eval.cloze_eval=True --top-k 7
-    gptforge analyze --qat-ckpt output_qat --float-ckpt runs/float/step_1000 --metric loss --batches 16
-    gptforge analyze --qat-ckpt output_qat --metric cosine          # no eval set: the output-distance proxy
-    gptforge analyze --mode ptq --float-ckpt runs/float/step_1000 --metric kl
+    gptforge analyze --ckpt output_qat --float-ckpt runs/float/step_1000 --metric loss --batches 16
+    gptforge analyze --ckpt output_qat --metric cosine          # no eval set: the output-distance proxy
+    gptforge analyze --mode ptq --ckpt runs/float/step_1000 --metric kl
+
+`--ckpt` is the model analysed: in qat mode the fake-quant model (= --qat-ckpt); in ptq mode a
+float model is quantized and calibrated here (= --float-ckpt), a PTQ/QAT model is used as it is
+(= --qat-ckpt).
 
 Writes <out>/analysis.txt (the reference's lines, most sensitive first), analysis.json (both
 layer names, values; also the resumable progress), analysis.png (the ranking) and, with
@@ -25,9 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "AnalysisQAT) or with only that layer quantized (ptq mode), rank the layers and write the "
                      "skip list for the next QAT run.")
     add_config_args(p, ckpt=False)
-    p.add_argument("--qat-ckpt", "--ckpt", dest="qat_ckpt", metavar="DIR", help=(
-        "the fake-quant model to analyse: a QAT checkpoint (step_N or a run directory) or a PTQ directory; its "
-        "config and tokenizer are used, so -c is optional"))
+    p.add_argument("--ckpt", metavar="DIR", help=(
+        "the model to analyse; its config and tokenizer are used, so -c is optional. qat mode: the fake-quant "
+        "model (= --qat-ckpt); ptq mode: a float model (= --float-ckpt) or a PTQ/QAT model (= --qat-ckpt)"))
+    p.add_argument("--qat-ckpt", metavar="DIR", help=(
+        "the fake-quant model to analyse: a QAT checkpoint (step_N or a run directory) or a PTQ directory"))
     p.add_argument("--float-ckpt", metavar="DIR", help=(
         "the float baseline (the model QAT started from): qat mode copies its weight into each de-quantized layer "
         "and measures its metric; ptq mode quantizes and calibrates it"))
@@ -59,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.errors import UsageError
     from gptforge.model_io import load_run_config
 
+    _place_ckpt(args)
     if not args.qat_ckpt and not args.float_ckpt:
-        raise UsageError("give the model to analyse with --qat-ckpt DIR (qat mode), or --mode ptq --float-ckpt DIR")
+        raise UsageError("give the model to analyse with --ckpt DIR (a QAT/PTQ model; --mode ptq: a float model)")
     overrides = list(args.override)
     if args.eval_path:
         overrides.append(f"Offline_Eval.eval_path={args.eval_path}")
@@ -91,3 +98,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"skip the top {res.top_k} in the next QAT run: -o {res.override}")
         print(f"  {res.qat_command}")
     return 0
+
+
+def _place_ckpt(args: argparse.Namespace) -> None:
+    """`--ckpt` as --qat-ckpt or --float-ckpt: a fake-quant model is the one analysed as it is; a
+    float model is the one ptq mode quantizes (in qat mode it cannot be the model analysed)."""
+    from gptforge.errors import UsageError
+
+    if not args.ckpt:
+        return
+    from gptforge.model_io import read_checkpoint_config
+
+    raw = read_checkpoint_config(args.ckpt)  # a run directory: its newest step
+    quantized = bool(((raw.get("Compress") or {}).get("Quantization") or {}).get("enable"))
+    key = "qat_ckpt" if quantized or args.mode == "qat" else "float_ckpt"
+    if getattr(args, key):
+        raise UsageError(f"--ckpt and --{key.replace('_', '-')} both name the model to analyse; give one")
+    setattr(args, key, args.ckpt)

@@ -1,4 +1,5 @@
-"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, device choice, model loading."""
+"""Arguments and helpers shared by the verbs: `-c/-o/--ckpt`, the sampling flags, device choice,
+model loading."""
 
 from __future__ import annotations
 
@@ -24,6 +25,65 @@ def add_config_args(p: argparse.ArgumentParser, ckpt: bool = True, ckpt_help: st
         p.add_argument("--ckpt", metavar="DIR", help=ckpt_help or (
             "model directory: ours, an HF GPT-2 directory, or a PaddleFleetX model.pdparams; "
             "its config and tokenizer are used, so -c is optional"))
+
+
+class _AsOverride(argparse.Action):
+    """A flag that is an `-o KEY=VALUE` spelled out: it appends to the same list as `-o`, in
+    command-line order, so the config stays the one source of truth (and `config show` shows it)
+    and, as with two `-o` of one key, the later one on the command line wins."""
+
+    def __init__(self, option_strings, dest, key: str, **kwargs):
+        self.key = key
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, "override", None) or [])
+        items.append(f"{self.key}={values}")
+        namespace.override = items
+        setattr(namespace, self.dest, values)
+
+
+# (flag, config key, type, help): the generation flags of `generate`, `infer`, `serve` (and `chat`).
+SAMPLING_FLAGS = (
+    ("--max-new-tokens", "Generation.max_dec_len", int, "N", "tokens to generate at most"),
+    ("--temperature", "Generation.temperature", float, "T", "sampling temperature (> 0)"),
+    ("--top-k", "Generation.top_k", int, "K", "sample from the K most likely tokens (0 = off)"),
+    ("--top-p", "Generation.top_p", float, "P", "nucleus sampling: the smallest set of tokens with probability >= P "
+                                               "(1.0 = off)"),
+    ("--seed", "Generation.seed", int, "N", "seed of the sampling RNG (default: torch's global RNG)"),
+    ("--device", "Global.device", str, "DEV", "auto | cpu | cuda | cuda:N"),
+)
+
+
+class _Refused(argparse.Action):
+    """A sampling flag on a verb that cannot honour it yet: one line saying why, exit 2 (never
+    accepted and ignored)."""
+
+    def __init__(self, option_strings, dest, reason: str, **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.reason}")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, device_help: str | None = None,
+                      refuse_sampling: str | None = None) -> None:
+    """The flags LitGPT / transformers users type (`--max-new-tokens`, `--temperature`, `--top-k`,
+    `--top-p`, `--seed`, `--device`), each `-o KEY=VALUE` spelled out (docs/cli.md), the same on
+    every verb that generates. `refuse_sampling`: why this verb refuses all but `--device`."""
+    g = p.add_argument_group("generation (each flag is the -o override it names; the later of a flag and an -o "
+                             "of the same key wins)")
+    for flag, key, typ, metavar, text in SAMPLING_FLAGS:
+        dest = f"flag_{flag[2:].replace('-', '_')}"
+        if flag == "--device" and device_help:
+            text = device_help
+        if refuse_sampling and flag != "--device":
+            g.add_argument(flag, action=_Refused, reason=refuse_sampling, metavar=metavar, dest=dest,
+                           default=None, help=f"{text}: not on this verb ({refuse_sampling})")
+            continue
+        g.add_argument(flag, action=_AsOverride, key=key, type=typ, metavar=metavar, dest=dest,
+                       default=None, help=f"{text} (= -o {key}={metavar})")
 
 
 def add_run_dir_arg(p: argparse.ArgumentParser, what: str = "checkpoints step_N, metrics.jsonl, train.log") -> None:

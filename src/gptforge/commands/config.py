@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_sampling_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,6 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     show = sub.add_parser(
         "show", help="print the config as YAML that loads back with -c (derived values as comments)")
     add_config_args(show)
+    add_sampling_args(show)  # what `generate --top-k 50 ...` would run with
     show.add_argument("--world-size", type=int, default=None, help="resolve as if launched on N processes")
     show.add_argument("--resolved", action="store_true",
                       help="write derived values in place (what a checkpoint's config.yaml holds) instead of "

@@ -14,9 +14,9 @@ from gptforge.commands.common import add_config_args, ensure_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src", required=True, metavar="PATH",
+    p.add_argument("--ckpt", "--src", dest="src", required=True, metavar="PATH",
                    help="source: our model dir (a distributed step_N checkpoint too), an HF GPT-2 dir, "
-                        "a model.pdparams (or its dir)")
+                        "a model.pdparams (or its dir); --src is the older spelling")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")

@@ -84,7 +84,7 @@ def _run_harness(args, cfg, model, tok) -> int:
     run_harness(model, tok, args.harness, include_path=args.include_path, batch_size=oe.batch_size,
                 limit=limit, num_fewshot=args.num_fewshot, builtin_tasks=args.builtin_tasks,
                 output=args.output or oe.output or default_output("harness", args.ckpt),
-                max_length=min(oe.max_seq_len, model_context(model)),
+                max_length=min(oe.max_seq_len or model_context(model), model_context(model)),
                 vocab_size=tok.vocab_size if args.restrict_vocab else None,
                 amp_dtype=amp_dtype_for(cfg, model_device(model)), progress=not args.no_progress)
     return 0

@@ -4,7 +4,7 @@
     gptforge export --format onnx --ckpt DIR --out onnx/                 # fp32, or INT8 QDQ from a QAT/PTQ/INT8 model
     gptforge export --format torch --ckpt DIR --out pt2/
     gptforge export --format hf --ckpt BASE --adapter LORA_DIR --out hf/  # the adapter merged (docs/lora.md)
-    gptforge infer --onnx onnx/ --prompt "Hello"
+    gptforge infer --ckpt onnx/ --prompt "Hello"
 
 ONNX and torch exports are checked against the PyTorch model before anything is written
 (docs/export.md).

@@ -1,6 +1,6 @@
 """`gptforge generate`: generate text from a model (sampling, greedy or beam search).
 
-    gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [-o Generation.top_k=50]
+    gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [--max-new-tokens 50 --top-k 50]
     gptforge generate -c generation_gpt_345M_single_card --ckpt DIR --prompt-file F --json out.json
 
 A single sequence is printed token by token as it is generated; several prompts are decoded in
@@ -19,6 +19,7 @@ from pathlib import Path
 from gptforge.commands.common import (
     add_adapter_arg,
     add_config_args,
+    add_sampling_args,
     config_from_args,
     require_ckpt,
     select_device,
@@ -31,12 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     add_adapter_arg(p)
     add_prompt_arguments(p)
+    add_sampling_args(p)
 
 
 def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
     """The prompt and output options (shared with `gptforge infer`)."""
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
-    p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line")
+    p.add_argument("--prompt-file", metavar="FILE", help="a UTF-8 text file with one prompt per line (blank lines "
+                   "at its end are ignored; a blank line between prompts is an error)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print tokens as they are generated (default: on when one sequence is asked for)")
     p.add_argument("--out", "--json", dest="json", metavar="FILE", help=(
@@ -58,6 +61,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        while lines and not lines[-1].strip():  # an editor's final newline(s): not prompts
+            lines.pop()
         if not lines:
             raise DataError(f"{path}: empty; give one prompt per line")
         for n, line in enumerate(lines, 1):
@@ -143,7 +148,31 @@ def load_draft_for(cfg, tok, target: str, device=None, threads: int | None = Non
 def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str,
          draft=None) -> int:
     """Generate with `model` (our GPT or a StepBackend) and print as `gptforge generate` does
-    (shared with `gptforge infer`)."""
+    (shared with `gptforge infer`). With a draft, the speculative decoding figures (rounds,
+    drafted and accepted tokens, acceptance rate) go to stderr and the JSON."""
+    from gptforge.generate.spec_stats import collect_stats
+    from gptforge.progress import info
+
+    with collect_stats() as spec:
+        results = _decode(model, tok, prompts, cfg, args, do_stream, draft)
+    new = sum(r.new_tokens for r in results)
+    secs = sum(r.seconds for r in results)
+    info(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
+         f"({new / max(secs, 1e-9):.1f} tokens/s)")
+    s = spec.stats if draft is not None else None
+    if s is not None:
+        info(f"gptforge {verb}: speculative decoding: acceptance rate {100 * s.acceptance_rate:.1f}% "
+             f"({s.accepted} of {s.drafted} drafted tokens accepted in {s.rounds} rounds)")
+    if args.json:
+        payload = _payload(cfg, results)
+        payload["speculative"] = s.as_dict() if s is not None else None
+        _write_json(args.json, payload)
+        print(f"gptforge {verb}: wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _decode(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, draft) -> list:
+    """Generate and print the texts; returns the `GenerationResult`s."""
     from gptforge.generate import generate, stream
 
     g = cfg.Generation
@@ -158,22 +187,14 @@ def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_strea
                 sys.stdout.flush()
             sys.stdout.write("\n")
             results.append(s.result)
-    else:
-        res = generate(model, tok, prompts, g, truncate_prompt=args.truncate_prompt,
-                       batch_size=args.batch_size, progress=len(prompts) > args.batch_size, draft=draft)
-        results.append(res)
-        many = len(prompts) > 1 or g.num_return_sequences > 1
-        for i, prompt in enumerate(res.prompts):
-            for j, text in enumerate(res.texts[i]):
-                if many:
-                    print(f"### prompt {i + 1}/{len(prompts)}, sequence {j + 1}/{g.num_return_sequences}, "
-                          f"score {res.scores[i][j]:.4f}, {res.finish_reasons[i][j]}")
-                print(prompt + text)
-    new = sum(r.new_tokens for r in results)
-    secs = sum(r.seconds for r in results)
-    print(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
-          f"({new / max(secs, 1e-9):.1f} tokens/s)", file=sys.stderr)
-    if args.json:
-        _write_json(args.json, _payload(cfg, results))
-        print(f"gptforge {verb}: wrote {args.json}", file=sys.stderr)
-    return 0
+        return results
+    res = generate(model, tok, prompts, g, truncate_prompt=args.truncate_prompt,
+                   batch_size=args.batch_size, progress=len(prompts) > args.batch_size, draft=draft)
+    many = len(prompts) > 1 or g.num_return_sequences > 1
+    for i, prompt in enumerate(res.prompts):
+        for j, text in enumerate(res.texts[i]):
+            if many:
+                print(f"### prompt {i + 1}/{len(prompts)}, sequence {j + 1}/{g.num_return_sequences}, "
+                      f"score {res.scores[i][j]:.4f}, {res.finish_reasons[i][j]}")
+            print(prompt + text)
+    return [res]

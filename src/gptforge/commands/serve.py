@@ -1,6 +1,6 @@
 """`gptforge serve`: an OpenAI-compatible HTTP server with continuous batching.
 
-    gptforge serve --ckpt DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    gptforge serve --ckpt DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--device cpu]
     gptforge serve --ckpt ONNX_DIR --backend onnx
     gptforge serve --ckpt DIR -o Generation.draft=DRAFT_DIR [-o Generation.num_draft_tokens=K|auto]
 
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_sampling_args
 from gptforge.errors import ConfigError, UsageError
 
 EXTRA_HINT = "pip install 'gptforge[serve]'"
@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the plain-text one, docs/serve.md)")
     p.add_argument("--threads", type=int, metavar="N", help="onnx: onnxruntime intra-op threads")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    # Requests carry their own sampling fields (OpenAI's temperature, top_p, top_k, seed, max_tokens);
+    # the server does not yet take defaults for them from Generation.*, so those flags are refused.
+    add_sampling_args(p, refuse_sampling="each request sets it (the OpenAI fields temperature, top_p, top_k, "
+                                         "seed, max_tokens); server-wide sampling defaults are not supported yet")
 
 
 def check_serve_extra() -> None:

@@ -66,7 +66,13 @@ def _train(args: argparse.Namespace) -> int:
         from gptforge.data.preprocess import iter_documents
 
         docs = iter_documents(args.input, json_key=args.json_key, min_doc_length=args.min_doc_length)
-    tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=not args.no_progress)
+    from gptforge import progress
+
+    # tokenizers' own bar draws on a terminal only; elsewhere it prints bare newlines to stdout
+    # (where the result line goes), so redirected runs get gptforge's plain lines instead.
+    bar = not args.no_progress and progress.mode() == "bar"
+    with progress.task("tokenizer: training BPE", enabled=not bar and not args.no_progress):
+        tok = train_tokenizer(docs, args.vocab_size, min_frequency=args.min_frequency, show_progress=bar)
     with atomic_dir(args.out, overwrite=args.force) as tmp:
         tok.save(tmp)
     print(f"trained a byte-level BPE tokenizer: {tok.vocab_size} tokens, <|endoftext|> = {tok.eos_token_id}, "

@@ -95,7 +95,7 @@ def lambada_metric(tokenizer, path, *, batch_size: int = 8, seq_len: int | None 
     return Metric("acc", f"LAMBADA accuracy x100 ({path})", True, fn)
 
 
-def wikitext_metric(tokenizer, path, *, seq_len: int, stride: int | None = None, batch_size: int = 8,
+def wikitext_metric(tokenizer, path, *, seq_len: int | None, stride: int | None = None, batch_size: int = 8,
                     vocab_size: int | None = None, amp_dtype=None, detokenize: bool = True) -> Metric:
     """WikiText perplexity on the user's text file (`gptforge eval`'s code)."""
     from gptforge.evaluate.wikitext import evaluate_wikitext

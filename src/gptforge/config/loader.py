@@ -288,6 +288,11 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
             out[section] = {k: v for k, v in out[section].items() if k != key}
     if _at(out, "Engine.save_load.ckpt_dir") is not None:
         out = _with(out, "Engine.save_load.ckpt_dir", None, drop=True)
+    # An older gptforge stored the default eval window (1024) in every checkpoint; one longer than
+    # the model's context was never a choice for this model: the default (its context) applies.
+    window, ctx = _at(out, "Offline_Eval.max_seq_len"), _at(out, "Model.max_position_embeddings")
+    if isinstance(window, int) and isinstance(ctx, int) and window > ctx:
+        out = _with(out, "Offline_Eval.max_seq_len", None, drop=True)
     return out
 
 

@@ -274,7 +274,7 @@ class OfflineEvalConfig:
     overlapping_eval: int | None = 32  # perplexity window stride (blank = max_seq_len)
     detokenize: bool = True  # perplexity: undo WikiText's tokenization first (False: score the file's text as it is, e.g. code)
     batch_size: int = 8  # windows per forward pass; LAMBADA packs short passages into batch_size x max_seq_len tokens
-    max_seq_len: int = 1024  # window in tokens; LAMBADA and lm-eval cap it at the model's context
+    max_seq_len: int | None = None  # window in tokens (blank = the model's context); LAMBADA and lm-eval cap a longer one at the context
     logging_freq: int = 10  # only used by `gptforge eval --emulate-reference-aggregation`
     output: str | None = None  # results JSON (derived: ./eval_results_<lambada|wikitext|harness|glue>.json)
 

@@ -256,8 +256,10 @@ def load_or_build_index_maps(prefix: str | os.PathLike, mode: str, sizes: np.nda
         except OSError as e:  # an unwritable cache only costs a rebuild next time
             print(f"gptforge: could not cache index maps in {base.parent} ({e})", file=sys.stderr)
         if verbose:
-            print(f"gptforge: built {mode} index maps: {len(maps.shuffle_idx)} samples of {seq_len} tokens, "
-                  f"{maps.num_epochs} epoch(s) in {time.perf_counter() - t0:.2f}s -> {base.parent}", file=sys.stderr)
+            from gptforge.progress import info  # --quiet drops it
+
+            info(f"gptforge: built {mode} index maps: {len(maps.shuffle_idx)} samples of {seq_len} tokens, "
+                 f"{maps.num_epochs} epoch(s) in {time.perf_counter() - t0:.2f}s -> {base.parent}")
         return maps
 
     if not initialised:

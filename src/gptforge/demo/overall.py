@@ -1,7 +1,7 @@
 """The demo's bar on a terminal: time used of the budget and about how much is left.
 
-The demo prints its stage lines on stdout; with the bar on, they go through `tqdm.write`, so
-they scroll above the bar instead of tearing it. Redirected output has no bar: every stage line
+The demo prints its stage lines on stderr (stdout keeps the result line); with the bar on, they
+go through `tqdm.write`, so they scroll above the bar instead of tearing it. Redirected output has no bar: every stage line
 already says the time used and left ("3:12 of 12:00, about 8:48 left").
 """
 
@@ -58,7 +58,7 @@ class OverallBar:
         from tqdm import tqdm
 
         self.elapsed, self.budget = elapsed, float(budget_s)
-        self.real = console or sys.stdout
+        self.real = console or sys.stderr
         self.every = every
         # The time text goes in `desc`: a custom bar_format prints it as it is ({postfix} would
         # add a leading ", ").
@@ -91,7 +91,7 @@ class OverallBar:
 
 def wanted(echo: bool, console=None) -> bool:
     """The bar shows only on a terminal, with progress on (not --no-progress / --quiet)."""
-    console = console or sys.stdout
+    console = console or sys.stderr
     if not echo or progress.mode(sys.stderr) != "bar":
         return False
     try:

@@ -102,7 +102,7 @@ class Demo:
         self.run_verb = run_verb
         self.p = Paths(settings.out)
         self.echo = echo
-        self.console = sys.stdout
+        self.console = sys.stderr  # the stage log; stdout keeps the result line (docs/cli.md)
         self.records: dict[str, StageRecord] = {}
         self.refits: dict[str, int] = {}  # fine-tune steps re-fitted to the budget left, per stage
         self._current: StageRecord | None = None

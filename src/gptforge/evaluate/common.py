@@ -52,9 +52,12 @@ def model_context(model: torch.nn.Module) -> int:
     return int(n)
 
 
-def check_window(model: torch.nn.Module, seq_len: int, key: str = "Offline_Eval.max_seq_len") -> int:
-    """`seq_len` if the model can attend over it, else a ConfigError naming the fix."""
+def check_window(model: torch.nn.Module, seq_len: int | None, key: str = "Offline_Eval.max_seq_len") -> int:
+    """`seq_len` if the model can attend over it, else a ConfigError naming the fix; None (the
+    default) is the model's context."""
     ctx = model_context(model)
+    if seq_len is None:
+        return ctx
     if seq_len < 1:
         raise ConfigError(f"{key}={seq_len}: must be at least 1")
     if seq_len > ctx:

@@ -75,7 +75,7 @@ def window_plan(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int
     return [(i * stride, 0 if i == 0 else seq_len - stride) for i in range(n_windows)]
 
 
-def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_len: int,
+def evaluate_wikitext(model: torch.nn.Module, tokenizer, path: str | Path, seq_len: int | None,
                       stride: int | None = None, batch_size: int = 8, *, vocab_size: int | None = None,
                       amp_dtype: torch.dtype | None = None, progress: bool = False,
                       logging_freq: int = 10, emulate_reference_aggregation: bool = False,

@@ -34,6 +34,7 @@ import torch
 from gptforge.errors import CheckpointError, ConfigError
 from gptforge.generate.processors import NO_TOKEN, ProcessorList
 from gptforge.generate.search import PromptBatch, SearchOutput
+from gptforge.generate.spec_stats import SpeculativeStats, record
 
 AUTO_START, AUTO_MIN, AUTO_MAX = 4, 1, 16
 MAX_DRAFT_TOKENS = 64
@@ -296,6 +297,10 @@ class SpeculativeDecoder:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def stats(self) -> SpeculativeStats:
+        return SpeculativeStats(self.rounds, self.drafted, self.accepted)
+
     # -- scores --------------------------------------------------------------------------------
 
     def _scores(self, hist: torch.Tensor, lens: torch.Tensor, logits: torch.Tensor, warp: bool):
@@ -441,9 +446,11 @@ class SpeculativeDecoder:
         # The history beyond each row's emitted tokens held drafts: clear it.
         hist[hist_rows[:, None], (L + ngen)[:, None] + torch.arange(k, device=dev)[None]] = NO_TOKEN
         e = self._emit(E, e, logp, ngen, hist, L, alive)
-        self.rounds += 1
-        self.drafted += k * int(was_alive.sum())
-        self.accepted += int(torch.where(was_alive, acc, 0).sum())
+        this = SpeculativeStats(1, k * int(was_alive.sum()), int(torch.where(was_alive, acc, 0).sum()))
+        self.rounds += this.rounds
+        self.drafted += this.drafted
+        self.accepted += this.accepted
+        record(this)  # for `collect_stats()` around generate() / stream()
         self.k_history.append(k)
         if self.adaptive:
             self.k = next_k(self.k, bool((acc[was_alive] == k).all()))

@@ -108,6 +108,7 @@ class Trainer:
         check_train_shapes(cfg)
         check_trackers(cfg.Engine.trackers)  # a missing tracker package fails before any work
         self.cfg = cfg
+        self.verb = verb  # names the verb in the run's header line (prune, qat, pretrain)
         e = cfg.Engine
         if e.run_mode != "step":
             raise ConfigError(f"Engine.run_mode: {e.run_mode!r} is not supported by pretrain; use step "
@@ -572,7 +573,7 @@ class Trainer:
         n = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in self.params)
         where = " in rank 0's pipeline stages" if self.par.pipelined else ""
-        log.info(f"gptforge pretrain: {n / 1e6:.2f}M parameters{where} ({trainable / 1e6:.2f}M trainable), "
+        log.info(f"gptforge {self.verb}: {n / 1e6:.2f}M parameters{where} ({trainable / 1e6:.2f}M trainable), "
                  f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
                  f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
                  f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
