@@ -58,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-out", metavar="DIR", help=(
         "also write the final model as an HF transformers GPT-2 directory (n_inner = pruned FFN width; removed "
         "heads stored as zero heads, since transformers 5 has no pruned_heads)"))
-    p.add_argument("--force", action="store_true", help="overwrite --hf-out / --save-pruned if they exist")
+    p.add_argument("--force", action="store_true", help=(
+        "overwrite --hf-out / --save-pruned if they exist, and start a new run in a run directory that holds "
+        "another run's checkpoints (deleting them, with its metrics.jsonl, train.log, tensorboard events)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
@@ -94,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         if path:
             ensure_out_dir(path, args.force)
     result = prune_and_finetune(cfg, resume=args.resume, save_pruned=args.save_pruned,
-                                progress=False if args.no_progress else None, overrides=args.override)
+                                progress=False if args.no_progress else None, overrides=args.override,
+                                force=args.force)
     parts = []
     if result.report is not None:
         r = result.report
