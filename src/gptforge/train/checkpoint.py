@@ -249,19 +249,26 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, cfg, to
                     keep_last: int | None = None) -> Path:
     """Write `output_dir/step_{step}` atomically; returns its path."""
     dest = Path(output_dir) / step_dir_name(step)
+    with atomic_dir(dest, overwrite=True) as tmp:
+        write_model_files(model, cfg, tmp, tokenizer)
+        write_training_state(tmp, step, optimizer, scheduler, precision, meta)
+    prune_checkpoints(output_dir, keep_last, meta.get("run_id"))
+    return dest
+
+
+def write_training_state(directory: Path, step: int, optimizer: torch.optim.Optimizer, scheduler, precision,
+                         meta: dict) -> None:
+    """`training_state.pt` (optimizer, scheduler, scaler, RNG) and `trainer_state.json` (`step` + `meta`)
+    into a checkpoint directory being assembled (finetune's classifier directories use it too)."""
     state = {
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "precision": precision.state_dict(),
         "rng": rng_state(),
     }
+    torch.save(state, directory / STATE_FILE)
     meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
-    with atomic_dir(dest, overwrite=True) as tmp:
-        write_model_files(model, cfg, tmp, tokenizer)
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    prune_checkpoints(output_dir, keep_last, meta.get("run_id"))
-    return dest
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
 def read_meta(path: str | Path) -> dict:
