@@ -404,3 +404,19 @@ def test_convert_and_tokenizer_train_refuse_a_second_writer(tmp_path, run_cli, v
         assert not out.exists()
     finally:
         _kill(holder)
+
+
+def test_qat_force_starts_over_in_another_runs_directory(tmp_path, run_cli):
+    r = _train(train_config(tmp_path, "Engine.save_load.save_steps=-1", "Engine.eval_freq=-1", steps=2))
+    qout = tmp_path / "qat"
+    common = ["--ckpt", r.checkpoint_dir, "--out", qout, "-o", "Engine.eval_freq=-1", "--no-progress"]
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=2")
+    assert code == 0, err
+    first = ckpt.run_id_of(qout / "step_2")
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=1")
+    assert code == 2 and "already holds checkpoints of another run (step_2)" in err and "--force" in err, err
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=1", "--force")
+    assert code == 0, err
+    assert [p.name for _, p in ckpt.list_checkpoints(qout)] == ["step_1"] and ckpt.run_id_of(qout / "step_1") != first
+    rows = [json.loads(x) for x in (qout / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1]
