@@ -54,15 +54,11 @@ def restore(run, path: Path) -> None:
 
 def interrupt(run, signum: int, epoch: int) -> None:
     """SIGINT/SIGTERM arrived: save the current step (unless it was just saved) and raise."""
-    from gptforge.train.interrupt import TrainingInterrupted, signal_name
+    from gptforge.train.interrupt import stop_run
 
-    if run.saved_step != run.step and run.step > 0:
+    if run.step > 0 and run.saved_step != run.step:
         run.save(f"step_{run.step}", epoch)
-    err = TrainingInterrupted(signum, run.step, run.result.checkpoint_dir if run.step > 0 else None)
-    run.log.record("stop", run.step, {"reason": "signal", "signal": signal_name(signum),
-                                      "last_checkpoint": str(run.result.checkpoint_dir)})
-    run.log.info(f"[stop] {err}")
-    raise err
+    stop_run(signum, run.step, run.result.checkpoint_dir if run.step > 0 else None, run.log)
 
 
 def write_results(run) -> None:

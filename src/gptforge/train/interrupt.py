@@ -68,4 +68,16 @@ class StopSignals:
         return self.signum is not None
 
 
-__all__ = ["StopSignals", "TrainingInterrupted", "signal_name"]
+
+
+def stop_run(signum: int | None, step: int, checkpoint: Path | None, log) -> None:
+    """A signal arrived and the run saved `checkpoint` (None: nothing trained yet): a `stop`
+    record and line, then `TrainingInterrupted`. `signum` None: another rank received it."""
+    signum = signum or signal.SIGTERM
+    err = TrainingInterrupted(signum, step, checkpoint)
+    log.record("stop", step, {"reason": "signal", "signal": signal_name(signum), "last_checkpoint": str(checkpoint)})
+    log.info(f"[stop] {err}")
+    raise err
+
+
+__all__ = ["StopSignals", "TrainingInterrupted", "signal_name", "stop_run"]

@@ -30,7 +30,7 @@ from gptforge.model import moe
 from gptforge.train import checkpoint as ckpt
 from gptforge.train import dist_checkpoint as dist_ckpt
 from gptforge.train.distill import Distiller
-from gptforge.train.interrupt import StopSignals, TrainingInterrupted, signal_name
+from gptforge.train.interrupt import StopSignals, stop_run
 from gptforge.train.metrics import (
     MoEWindow,
     RunLogger,
@@ -387,6 +387,12 @@ class Trainer:
         self.last_checkpoint = path or self.output_dir / ckpt.step_dir_name(self.step)
         return path
 
+    def _save(self, loss: float, log) -> Path | None:
+        path = self.save(loss)
+        if path is not None:
+            log.info(f"[save] step {self.step}: {path}")
+        return self.last_checkpoint
+
     def _write_run_config(self) -> None:
         from gptforge.config import config_to_yaml
         from gptforge.durable import write_text_durable
@@ -486,12 +492,11 @@ class Trainer:
                 saved = (save_steps and self.step % save_steps == 0) or self.step == self.max_steps or out_of_time
                 if saved:
                     t0 = time.perf_counter()
-                    path = self.save(stats["loss"])
-                    if path is not None:
-                        log.info(f"[save] step {self.step}: {path}")
+                    self._save(stats["loss"], log)
                     t_window += time.perf_counter() - t0
-                if self.step < self.max_steps and self._any_rank(stop.requested):
-                    self._stop_on_signal(stop.signum, saved, stats["loss"], log)
+                if self.step < self.max_steps and self._any_rank(stop.requested):  # Ctrl-C / SIGTERM
+                    stop_run(stop.signum, self.step, self.last_checkpoint if saved else self._save(stats["loss"], log),
+                             log)
                 if out_of_time and self.step < self.max_steps:
                     log.record("stop", self.step, {"reason": "max_time", "max_time": e.max_time,
                                                    "last_checkpoint": str(self.last_checkpoint)})
@@ -533,21 +538,6 @@ class Trainer:
             self.max_steps = n
             log.set_total(n)
             self.scheduler.apply()
-
-    def _stop_on_signal(self, signum: int | None, saved: bool, loss: float, log) -> None:
-        """SIGINT/SIGTERM arrived during this step: save it (unless just saved) and stop."""
-        import signal
-
-        signum = signum or signal.SIGTERM  # another rank got it
-        if not saved:
-            path = self.save(loss)
-            if path is not None:
-                log.info(f"[save] step {self.step}: {path}")
-        err = TrainingInterrupted(signum, self.step, self.last_checkpoint)
-        log.record("stop", self.step, {"reason": "signal", "signal": signal_name(signum),
-                                       "last_checkpoint": str(self.last_checkpoint)})
-        log.info(f"[stop] {err}")
-        raise err
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (a signal may reach only some of them)."""
