@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.run_args import add_resume_arg
 from gptforge.errors import UsageError
 
 # With --ckpt and no -c the config is the checkpoint's (a pretraining recipe): these give the
@@ -49,9 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "config and tokenizer are used, so -c is optional (then the reference's fine-tune recipe applies: no "
         "warmup, weight decay 0, dropout 0)"))
     p.add_argument("--out", metavar="DIR", help="run directory for the fine-tune (= -o Engine.save_load.output_dir=DIR)")
-    p.add_argument("--resume", metavar="auto|DIR", help=(
-        "continue an interrupted pruning fine-tune: 'auto' = the newest checkpoint in the output dir, or DIR; "
-        "the pruned shape comes from the checkpoint and nothing is pruned again"))
+    add_resume_arg(p, "; the pruned shape comes from the checkpoint and nothing is pruned again")
     p.add_argument("--save-pruned", metavar="DIR", help=(
         "also write the model right after pruning, before fine-tuning (default with Engine.max_steps=0: "
         "<output_dir>/pruned)"))
