@@ -375,3 +375,48 @@ def test_sigkill_of_preprocess_leaves_no_worker_alive(tmp_path, run_cli):
                            "--output-prefix", tmp_path / "c", "--workers", "1", "--no-progress")
     assert code == 0, err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # removed by the later run
+
+
+# ------------------------------------------------------ every writing verb has one writer
+
+
+HOLD_OUTPUT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from gptforge.run_lock import lock_output
+    with lock_output(sys.argv[1], "export"):
+        Path(sys.argv[2]).write_text("held")
+        time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("verb", ["convert", "tokenizer"])
+def test_convert_and_tokenizer_train_refuse_a_second_writer(tmp_path, run_cli, verb):
+    out, marker = tmp_path / "out", tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_OUTPUT, str(out), str(marker)], env=ENV)
+    try:
+        _wait_for(lambda: marker.exists() or holder.poll() is not None, what="the holder")
+        (tmp_path / "a.txt").write_text("some words to train on\n" * 20)
+        argv = (["convert", "--src", tmp_path / "missing", "--out", out] if verb == "convert" else
+                ["tokenizer", "train", "--input", tmp_path / "a.txt", "--vocab-size", "300", "--out", out])
+        code, _, err = run_cli(*argv)
+        assert code == 2 and f"in use by pid {holder.pid} (export on " in err, err
+        assert not out.exists()
+    finally:
+        _kill(holder)
+
+
+def test_qat_force_starts_over_in_another_runs_directory(tmp_path, run_cli):
+    r = _train(train_config(tmp_path, "Engine.save_load.save_steps=-1", "Engine.eval_freq=-1", steps=2))
+    qout = tmp_path / "qat"
+    common = ["--ckpt", r.checkpoint_dir, "--out", qout, "-o", "Engine.eval_freq=-1", "--no-progress"]
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=2")
+    assert code == 0, err
+    first = ckpt.run_id_of(qout / "step_2")
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=1")
+    assert code == 2 and "already holds checkpoints of another run (step_2)" in err and "--force" in err, err
+    code, _, err = run_cli("qat", *common, "-o", "Engine.max_steps=1", "--force")
+    assert code == 0, err
+    assert [p.name for _, p in ckpt.list_checkpoints(qout)] == ["step_1"] and ckpt.run_id_of(qout / "step_1") != first
+    rows = [json.loads(x) for x in (qout / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1]

@@ -166,7 +166,8 @@ def test_user_errors_are_one_line(tmp_path, base, sst2, run_cli):
         (["-o", "Data.Train.dataset.max_length=100"], "Data.Train.dataset.max_length: 100 exceeds the model's 64"),
         (["-o", "Data.Train.sampler.batch_size=100"], "make no batch of 100"),
         (["-o", "Model.metric.eval.name=Mcc2"], "Model.metric.eval.name: 'Mcc2' is not one of"),
-        (["-o", "Engine.save_load.ckpt_dir=x"], "finetune does not resume a run"),
+        (["-o", "Engine.save_load.ckpt_dir=x"], "x: resume checkpoint not found"),
+        (["-o", "Data.Train.dataset.root="], "Data.Train.dataset.root: not set; give the SST2 directory"),
     ]
     for extra, msg in cases:
         code, out, err = run_cli("finetune", "-c", y, *extra, "--no-progress")

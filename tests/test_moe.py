@@ -235,3 +235,14 @@ def test_bf16_autocast_forward_and_backward(monkeypatch, grouped):
         out = model(x, labels=x)
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.blocks[0].moe.experts.linear1_weight.grad.abs().sum() > 0
+
+
+def test_a_layout_without_any_moe_layer_is_refused_naming_the_keys(run_cli):
+    """Issue #33 item 9: 4 experts every 10th layer of a 4-layer model used to train a dense model."""
+    code, _, err = run_cli("config", "show", "-o", "Model.preset=tiny", "-o", "Model.num_layers=4",
+                           "-o", "Model.num_experts=4", "-o", "Model.expert_interval=10")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("Model.expert_interval: 10 places no MoE layer in Model.num_layers=4" in err
+            and "Model.num_experts=4" in err and "expert_interval <= 4" in err)
+    assert tiny_config("Model.num_layers=4", "Model.num_experts=4", "Model.expert_interval=4").Model.expert_interval == 4
+    assert tiny_config("Model.num_layers=4", "Model.num_experts=1", "Model.expert_interval=10").Model.num_layers == 4

@@ -112,7 +112,7 @@ def test_resume_of_a_pruned_sparse_finetune_is_exact(run_cli, dense, tmp_path):
     assert all(is_2_4(m.weight) for m in target_layers(a).values())
     # a second fresh run into a directory with checkpoints is refused (one line, exit 2)
     code, _, err = run_cli("prune", *common, "--out", tmp_path / "a", "-o", "Engine.max_steps=4")
-    assert code == 2 and "already holds step checkpoints" in err and "Traceback" not in err
+    assert code == 2 and "already holds checkpoints of another run" in err and "Traceback" not in err
 
 
 def test_max_steps_zero_writes_the_pruned_model(run_cli, dense, tmp_path):

@@ -72,7 +72,7 @@ def test_qat_ptq_convert_eval_generate(run_cli, float_run, tmp_path):
 
     # a fresh run into a directory that holds checkpoints is refused
     code, _, err = run_cli("qat", "--ckpt", float_ckpt, "-o", f"Engine.save_load.output_dir={out}", *QAT_OPTS)
-    assert code == 2 and "already holds step checkpoints" in err and "\n" not in err.strip()
+    assert code == 2 and "already holds checkpoints of another run" in err and "\n" not in err.strip()
 
     code, stdout, err = run_cli("ptq", "--ckpt", float_ckpt, "--out", tmp_path / "ptq", "--calib-batches", "2",
                                 "--no-progress")

@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = getattr(e, "filename", None) or "an output file (path not reported by the writer)"
         return _print_error(args.verb, disk_full_error(where, code, atomic=False))
-    except KeyboardInterrupt:
-        print(f"gptforge {args.verb}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a training run saved first (train/interrupt.py): 128 + the signal
+        print(f"gptforge {args.verb}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return int(getattr(e, "exit_code", 130))
 
 
 if __name__ == "__main__":  # pragma: no cover

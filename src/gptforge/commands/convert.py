@@ -25,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gptforge.run_lock import lock_output
+
+    with lock_output(args.out, "convert"):  # a second writer of --out fails at once, naming this one
+        return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     import dataclasses
 
     from gptforge.config import DistributedConfig

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptforge.commands.common import add_config_args, add_run_dir_arg, config_from_args
-from gptforge.errors import UsageError
+from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.run_args import add_run_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,46 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "continue from this checkpoint; its config and tokenizer are used, so -c is optional. A training "
         "checkpoint (step_N, or a run directory: its newest step) resumes exactly; a plain model directory "
         "(ours, HF GPT-2, .pdparams) starts a new run from its weights"))
-    p.add_argument("--resume", metavar="auto|DIR", help=(
-        "resume a run: 'auto' = the newest complete checkpoint in Engine.save_load.output_dir (starts fresh "
-        "when there is none); DIR = that checkpoint (same as -o Engine.save_load.ckpt_dir=DIR)"))
-    p.add_argument("--force", action="store_true", help=(
-        "start a new run in an output directory that holds another run's checkpoints, deleting them (and its "
-        "metrics.jsonl, train.log, tensorboard events); without it such a directory is refused"))
-    add_run_dir_arg(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    add_run_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from gptforge.data.tokenizer import load_tokenizer
-    from gptforge.train import checkpoint as ckpt
     from gptforge.train import pretrain
+    from gptforge.train.run_start import plan_start
 
     cfg = config_from_args(args, require=True)
-    resume = args.resume
-    if resume is not None and cfg.Engine.save_load.ckpt_dir:
-        raise UsageError("give either --resume or Engine.save_load.ckpt_dir, not both")
+    start = plan_start(cfg, resume=args.resume, ckpt_path=args.ckpt, force=args.force)
     tokenizer = None
+    if start.pretrained is not None:  # a plain model directory: a new run from its weights
+        cfg.Compress.pretrained = str(start.pretrained)
     if args.ckpt:
-        if resume is not None or cfg.Engine.save_load.ckpt_dir:
-            raise UsageError("--ckpt already names the checkpoint; drop --resume / Engine.save_load.ckpt_dir")
-        p = Path(args.ckpt)
-        if ckpt.is_complete(p) or ckpt.latest_checkpoint(p) is not None:
-            resume = str(ckpt.resolve_resume_dir(p))
-            tok_dir = Path(resume)
-        else:
-            from gptforge.model_io import resolve_checkpoint_path
-
-            tok_dir = resolve_checkpoint_path(p)
-            cfg.Compress.pretrained = str(tok_dir)
-        tokenizer = load_tokenizer(cfg.Data.tokenizer, tok_dir if tok_dir.is_dir() else None)
-    if args.force and (resume is not None or cfg.Engine.save_load.ckpt_dir):
-        raise UsageError("--force starts a new run; it cannot be combined with resuming (--resume, a training "
-                         "checkpoint as --ckpt, Engine.save_load.ckpt_dir)")
-    result = pretrain(cfg, tokenizer=tokenizer, resume=resume, progress=False if args.no_progress else None,
-                      overwrite=args.force)
+        tok_dir = start.pretrained or start.resume
+        tokenizer = load_tokenizer(cfg.Data.tokenizer, tok_dir if tok_dir is not None and tok_dir.is_dir() else None)
+    result = pretrain(cfg, tokenizer=tokenizer, start=start, progress=False if args.no_progress else None)
     last = result.checkpoint_dir
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.run_args import add_resume_arg
 from gptforge.errors import UsageError
 
 # With --ckpt and no -c the config is the checkpoint's (a pretraining recipe): these give the
@@ -49,16 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "config and tokenizer are used, so -c is optional (then the reference's fine-tune recipe applies: no "
         "warmup, weight decay 0, dropout 0)"))
     p.add_argument("--out", metavar="DIR", help="run directory for the fine-tune (= -o Engine.save_load.output_dir=DIR)")
-    p.add_argument("--resume", metavar="auto|DIR", help=(
-        "continue an interrupted pruning fine-tune: 'auto' = the newest checkpoint in the output dir, or DIR; "
-        "the pruned shape comes from the checkpoint and nothing is pruned again"))
+    add_resume_arg(p, "; the pruned shape comes from the checkpoint and nothing is pruned again")
     p.add_argument("--save-pruned", metavar="DIR", help=(
         "also write the model right after pruning, before fine-tuning (default with Engine.max_steps=0: "
         "<output_dir>/pruned)"))
     p.add_argument("--hf-out", metavar="DIR", help=(
         "also write the final model as an HF transformers GPT-2 directory (n_inner = pruned FFN width; removed "
         "heads stored as zero heads, since transformers 5 has no pruned_heads)"))
-    p.add_argument("--force", action="store_true", help="overwrite --hf-out / --save-pruned if they exist")
+    p.add_argument("--force", action="store_true", help=(
+        "overwrite --hf-out / --save-pruned if they exist, and start a new run in a run directory that holds "
+        "another run's checkpoints (deleting them, with its metrics.jsonl, train.log, tensorboard events)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
 
 
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         if path:
             ensure_out_dir(path, args.force)
     result = prune_and_finetune(cfg, resume=args.resume, save_pruned=args.save_pruned,
-                                progress=False if args.no_progress else None, overrides=args.override)
+                                progress=False if args.no_progress else None, overrides=args.override,
+                                force=args.force)
     parts = []
     if result.report is not None:
         r = result.report

@@ -48,6 +48,13 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from gptforge.run_lock import lock_output
+
+    with lock_output(args.out, "tokenizer"):  # a second writer of --out fails at once, naming this one
+        return _train_locked(args)
+
+
+def _train_locked(args: argparse.Namespace) -> int:
     import time
 
     from gptforge.commands.common import ensure_out_dir

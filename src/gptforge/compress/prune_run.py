@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gptforge.config.schema import Config
-from gptforge.errors import ConfigError, UsageError
+from gptforge.errors import ConfigError
 from gptforge.transforms.prune import PruneReport, check_ratio, prune_model, record_shape
 from gptforge.transforms.prune_scores import CALIBRATED, check_criterion
 from gptforge.transforms.sparsity import SparsityKeeper, check_method, compute_masks, masks_from_weights
@@ -90,17 +90,6 @@ def _quantize(model: nn.Module, cfg: Config) -> nn.Module:
     return model if out is None else out
 
 
-def _resolve_resume(resume, cfg: Config) -> Path | None:
-    from gptforge.train import checkpoint as ckpt
-
-    spec = resume if resume is not None else cfg.Engine.save_load.ckpt_dir
-    if spec is None or str(spec) == "":
-        return None
-    if str(spec) == "auto":
-        return ckpt.latest_checkpoint(Path(cfg.Engine.save_load.output_dir).expanduser())
-    return ckpt.resolve_resume_dir(spec)
-
-
 def _copy_shape(dst_model_cfg, src_model_cfg) -> None:
     from gptforge.config import ARCH_KEYS
 
@@ -122,37 +111,34 @@ def _float_cfg(cfg: Config) -> Config:
 
 
 def prune_and_finetune(cfg: Config, tokenizer=None, *, resume=None, save_pruned: str | os.PathLike | None = None,
-                       progress: bool | None = None, echo: bool = True, overrides=()) -> PruneRun:
+                       progress: bool | None = None, echo: bool = True, overrides=(), force: bool = False) -> PruneRun:
     """Prune `Compress.pretrained` following `Compress.Prune`, then fine-tune it with the trainer.
 
     `cfg` is updated in place with the pruned shape. `save_pruned` writes the model right
     after surgery (before fine-tuning) as a model directory; with `Engine.max_steps: 0` there is
     no fine-tuning and the pruned model goes to `save_pruned` (default `<output_dir>/pruned`).
     The output directory is locked for the whole run (`run_lock`); `overrides` (the `-o`
-    strings) that change the shape of a resumed checkpoint are refused.
+    strings) that change the shape of a resumed checkpoint are refused; `force` starts over in an
+    output directory holding another run's checkpoints (`run_start.plan_start` decides).
     """
     from gptforge.run_lock import lock_dir
+    from gptforge.train.run_start import plan_start
 
     check_prune_config(cfg)
     with lock_dir(Path(cfg.Engine.save_load.output_dir).expanduser(), "prune"):
-        return _prune_and_finetune(cfg, tokenizer, resume, save_pruned, progress, echo, overrides)
+        start = plan_start(cfg, resume=resume, force=force, overrides=overrides, echo=echo)
+        return _prune_and_finetune(cfg, tokenizer, start, save_pruned, progress, echo)
 
 
-def _prune_and_finetune(cfg: Config, tokenizer, resume, save_pruned, progress, echo, overrides) -> PruneRun:
+def _prune_and_finetune(cfg: Config, tokenizer, start, save_pruned, progress, echo) -> PruneRun:
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.device import select_device
     from gptforge.model import build_model
     from gptforge.model_io import checkpoint_model_config, resolve_checkpoint_path, save_model_dir
     from gptforge.train import Trainer, load_pretrained
-    from gptforge.train import checkpoint as ckpt
 
-    p, out_dir = cfg.Compress.Prune, Path(cfg.Engine.save_load.output_dir).expanduser()
-    resume_dir = _resolve_resume(resume, cfg)
-    if resume_dir is not None:
-        ckpt.check_shape_overrides(overrides, cfg.Model, resume_dir)
-    if resume_dir is None and str(resume or "") != "auto" and ckpt.latest_checkpoint(out_dir) is not None:
-        raise UsageError(f"Engine.save_load.output_dir {out_dir} already holds step checkpoints; choose another "
-                         "directory (--out) or continue that run with --resume auto")
+    p, out_dir = cfg.Compress.Prune, start.output_dir
+    resume_dir = start.resume
     if resume_dir is not None:
         source = resume_dir
     elif cfg.Compress.pretrained:
@@ -195,7 +181,7 @@ def _prune_and_finetune(cfg: Config, tokenizer, resume, save_pruned, progress, e
         model = transform(model)
         train, trained, last = None, model, None
     else:
-        trainer = Trainer(cfg, build_model(cfg.Model), tokenizer, transform=transform, resume=resume_dir,
+        trainer = Trainer(cfg, build_model(cfg.Model), tokenizer, transform=transform, start=start,
                           progress=progress, echo=echo, verb="prune")
         keeper = None
         if p.semi_structured:

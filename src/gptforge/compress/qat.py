@@ -11,7 +11,6 @@ training checkpoints whose config carries `Compress.Quantization.enable: true`, 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from torch import nn
 
@@ -25,38 +24,28 @@ def _notice(msg: str, echo: bool = True) -> None:
         print(f"gptforge: {msg}", file=sys.stderr)
 
 
-def _resume_source(cfg: Config, resume) -> Path | None:
-    from gptforge.train import checkpoint as ckpt
-
-    spec = resume if resume is not None else cfg.Engine.save_load.ckpt_dir
-    if spec is None or str(spec) == "":
-        return None
-    if str(spec) == "auto":
-        return ckpt.latest_checkpoint(Path(cfg.Engine.save_load.output_dir).expanduser())
-    return ckpt.resolve_resume_dir(spec)
-
-
 def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = None, echo: bool = True,
-        overrides=()):
+        overrides=(), force: bool = False, start=None):
     """Train `cfg` with fake quantization; returns the trainer's `TrainResult`.
 
     `resume`: a step checkpoint, a run directory or "auto" (as `pretrain`). A fresh run needs
     `Compress.pretrained` (a float model of any format `load_model` reads; a pruned one gives
     its own shape). `overrides` (the `-o` strings) are checked against a resumed checkpoint's
-    shape: a shape override is refused rather than ignored.
+    shape: a shape override is refused rather than ignored. `force`: start over in an output
+    directory holding another run's checkpoints. `start`: a `run_start.RunStart` already decided
+    (replaces `resume`, `force` and `overrides`).
     """
     from gptforge.config import ARCH_KEYS
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import checkpoint_model_config, read_checkpoint_config, resolve_checkpoint_path
     from gptforge.train import pretrain
+    from gptforge.train.run_start import plan_start
 
     q = cfg.Compress.Quantization
     q.enable, q.converted = True, False
-    source = _resume_source(cfg, resume)
-    if source is not None:
-        from gptforge.train.checkpoint import check_shape_overrides
-
-        check_shape_overrides(overrides, cfg.Model, source)
+    if start is None:
+        start = plan_start(cfg, resume=resume, force=force, overrides=overrides, echo=echo)
+    source = start.resume
     if source is None:
         if not cfg.Compress.pretrained:
             raise ConfigError("Compress.pretrained: not set; QAT starts from a trained float model: "
@@ -78,5 +67,5 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
     def transform(model: nn.Module) -> nn.Module:
         return quantize_model(model, q)
 
-    return pretrain(cfg, tokenizer=tokenizer, transform=transform, resume=resume, progress=progress, echo=echo,
+    return pretrain(cfg, tokenizer=tokenizer, transform=transform, start=start, progress=progress, echo=echo,
                     verb="qat")

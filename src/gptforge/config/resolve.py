@@ -142,6 +142,11 @@ def _resolve_moe(m: ModelConfig) -> None:
     if m.expert_interval < 1:
         raise ConfigError(f"Model.expert_interval: must be >= 1, got {m.expert_interval}")
     n_moe = m.num_layers // m.expert_interval
+    if max(counts) > 1 and n_moe == 0:  # silently a dense model otherwise
+        raise ConfigError(f"Model.expert_interval: {m.expert_interval} places no MoE layer in "
+                          f"Model.num_layers={m.num_layers} (every expert_interval-th layer is one) although "
+                          f"Model.num_experts={','.join(map(str, counts))}; set expert_interval <= {m.num_layers}, or "
+                          "num_experts=1 for a dense model")
     if len(counts) not in (1, n_moe):
         raise ConfigError(f"Model.num_experts: {len(counts)} values; give one, or one per MoE layer "
                           f"({n_moe}: num_layers {m.num_layers} / expert_interval {m.expert_interval})")

@@ -60,8 +60,9 @@ def is_classifier_dir(path: str | os.PathLike) -> bool:
 
 
 def save_classifier(clf: SequenceClassifier, cfg, out_dir: str | os.PathLike, tokenizer=None, *,
-                    task: str | None = None, overwrite: bool = False) -> Path:
-    """Write the backbone's model directory plus the head, atomically."""
+                    task: str | None = None, overwrite: bool = False, extra=None) -> Path:
+    """Write the backbone's model directory plus the head, atomically; `extra(tmp_dir)` adds
+    files to the directory before it is published (a run's training state)."""
     from safetensors.torch import save_file
 
     from gptforge.model_io import atomic_dir, write_model_files
@@ -71,6 +72,8 @@ def save_classifier(clf: SequenceClassifier, cfg, out_dir: str | os.PathLike, to
         write_model_files(clf.gpt, cfg, tmp, tokenizer)
         save_file({"score.weight": clf.score.weight.detach().float().cpu().contiguous()},
                   str(tmp / CLASSIFIER_FILE), metadata=meta)
+        if extra is not None:
+            extra(tmp)
     return Path(out_dir)
 
 

@@ -17,7 +17,7 @@ total), evaluates every `eval_freq` epochs and saves `epoch_N` every `save_epoch
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import time
@@ -30,13 +30,15 @@ import torch.nn.functional as F
 from gptforge.config.schema import Config
 from gptforge.errors import CheckpointError, ConfigError, DataError
 from gptforge.finetune import metrics as M
-from gptforge.finetune.classifier import SequenceClassifier, is_classifier_dir, read_head, save_classifier
+from gptforge.finetune import rundir
+from gptforge.finetune.classifier import SequenceClassifier, is_classifier_dir, read_head
 from gptforge.finetune.glue import GlueDataset, GlueTask, get_task, is_glue, load_glue
 from gptforge.finetune.predict import batches, score
+from gptforge.train.run_start import RunStart
 
 LOSSES = ("CrossEntropyLoss", "MSELoss")
 DEFAULT_MAX_LENGTH = 128  # the reference's GLUE datasets
-RESULTS_FILE = "finetune_results.json"
+RESULTS_FILE = rundir.RESULTS_FILE
 
 
 @dataclass
@@ -161,6 +163,9 @@ def build_classifier(cfg: Config, path: Path, device: torch.device, num_classes:
 
 def _datasets(cfg: Config, task: GlueTask, tok, max_positions: int) -> tuple[GlueDataset, dict[str, GlueDataset]]:
     tr, ev = cfg.Data.Train.dataset, cfg.Data.Eval.dataset
+    if not tr.root:
+        raise ConfigError(f"Data.Train.dataset.root: not set; give the {task.name} directory (GLUE's train.tsv, "
+                          "dev.tsv) with --data DIR or -o Data.Train.dataset.root=DIR")
     lengths = {}
     for key, ds in (("Train", tr), ("Eval", ev)):
         n = ds.max_length or DEFAULT_MAX_LENGTH
@@ -189,14 +194,14 @@ def _datasets(cfg: Config, task: GlueTask, tok, max_positions: int) -> tuple[Glu
 
 class _Run:
     def __init__(self, cfg: Config, clf: SequenceClassifier, tok, task: GlueTask, loss: str, metric: str,
-                 train: GlueDataset, evals: dict[str, GlueDataset], device: torch.device, progress, echo):
-        from gptforge.train.metrics import RunLogger
+                 train: GlueDataset, evals: dict[str, GlueDataset], device: torch.device, progress, echo,
+                 start: RunStart):
         from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer
         from gptforge.train.precision import Precision
 
         self.cfg, self.clf, self.tok, self.task = cfg, clf, tok, task
         self.loss_name, self.metric, self.train_ds, self.evals = loss, metric, train, evals
-        self.device = device
+        self.device, self.start, self.progress, self.echo = device, start, progress, echo
         e, tr_sampler = cfg.Engine, cfg.Data.Train.sampler
         self.bs = tr_sampler.batch_size or cfg.Global.local_batch_size
         micro = cfg.Global.micro_batch_size or self.bs
@@ -217,7 +222,7 @@ class _Run:
                 raise ConfigError(f"Engine.max_steps: {e.max_steps} needs Engine.run_mode=epoch; give a step count")
             self.total = e.max_steps
         self.epochs = math.ceil(self.total / self.steps_per_epoch)
-        self.output_dir = Path(e.save_load.output_dir).expanduser()
+        self.output_dir = start.output_dir
         self.precision = Precision(e.mix_precision, device)
         self.optimizer = build_optimizer(clf, cfg.Optimizer)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -228,15 +233,25 @@ class _Run:
             raise ConfigError(f"Optimizer.lr.warmup: {lr.warmup_steps} steps exceed the run's {self.total} steps")
         self.scheduler = Scheduler(self.optimizer, LRSchedule(lr.name, lr.max_lr, lr.min_lr, decay, warmup,
                                                               lr.use_increments))
-        from gptforge.train.trackers import check_trackers, open_trackers
+        from gptforge.train.trackers import check_trackers
 
         check_trackers(e.trackers)
-        self.log = RunLogger(self.output_dir, total_steps=self.total, progress=progress, echo=echo,
-                             tensorboard="tensorboard" in e.trackers,
-                             trackers=lambda: open_trackers(e.trackers, self.output_dir, e.tracker_project,
-                                                            e.tracker_run_name, cfg.to_dict()))
-        self.step = 0
+        self.step, self.saved_step = 0, -1
         self.result = FinetuneResult(task.name, self.epochs, 0, [], output_dir=self.output_dir)
+        if start.resume is not None:
+            rundir.restore(self, start.resume)
+
+    def _logger(self):
+        """train.log / metrics.jsonl / TensorBoard; records past the resumed step (logged by a run that
+        died before saving them) are dropped, so each step has one record across resumes."""
+        from gptforge.train.metrics import RunLogger
+        from gptforge.train.trackers import open_trackers
+
+        e = self.cfg.Engine
+        return RunLogger(self.output_dir, total_steps=self.total, start_step=self.step, progress=self.progress,
+                         echo=self.echo, truncate_after=self.step, tensorboard="tensorboard" in e.trackers,
+                         trackers=lambda: open_trackers(e.trackers, self.output_dir, e.tracker_project,
+                                                        e.tracker_run_name, self.cfg.to_dict()))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
@@ -290,33 +305,61 @@ class _Run:
                       f"{self.result.best['main']:.5f} (epoch {self.result.best['epoch']})")
         return row
 
-    def save(self, name: str) -> Path:
-        path = save_classifier(self.clf, self.cfg, self.output_dir / name, self.tok, task=self.task.name,
-                               overwrite=True)
-        self.result.checkpoint_dir = path
+    def save(self, name: str, epoch: int) -> Path:
+        """A classifier directory with this step's training state (a resumable checkpoint)."""
+        path = rundir.save(self, name, epoch)
+        self.result.checkpoint_dir, self.saved_step = path, self.step
         self.log.info(f"[save] {name}: {path}")
         return path
 
     def run(self) -> FinetuneResult:
-        e, cfg = self.cfg.Engine, self.cfg
-        from gptforge.train.metrics import train_line
+        from gptforge.train.checkpoint import clean_stale_tmp
+        from gptforge.train.interrupt import StopSignals
 
+        clean_stale_tmp(self.output_dir)  # temps of a killed run's saves (their writer is dead)
+        self.start.start_over(extra_files=(RESULTS_FILE,))
+        self.log = self._logger()
+        self._header()
+        try:
+            with StopSignals() as stop:
+                self._epochs(stop)
+        except BaseException:  # an error or an interrupt: tracker runs are marked failed and closed
+            self.log.close(ok=False)
+            raise
+        self.result.steps = self.step
+        rundir.write_results(self)
+        self.log.close()
+        return self.result
+
+    def _header(self) -> None:
         n_params = sum(p.numel() for p in self.clf.parameters())
         self.log.info(f"gptforge finetune: {self.task.name}, {len(self.train_ds)} train examples, "
                       f"{', '.join(f'{k} {len(v)}' for k, v in self.evals.items()) or 'no eval'}; "
                       f"{n_params / 1e6:.2f}M parameters, {self.clf.num_classes} classes, batch {self.bs} "
                       f"(micro {self.micro}), {self.steps_per_epoch} steps/epoch, {self.total} steps, "
                       f"{self.precision.name}, device {self.device}, output {self.output_dir}")
+        if self.start.resume is not None:
+            self.log.info(f"resumed from {self.start.resume} at step {self.step}")
+
+    def _epochs(self, stop) -> None:
+        import itertools
+
+        from gptforge.train.metrics import train_line
+
+        e, cfg = self.cfg.Engine, self.cfg
         epoch_mode = e.run_mode == "epoch"
         window, window_n, t_window = 0.0, 0, time.perf_counter()
-        saved_at = None
-        for epoch in range(1, self.epochs + 1):
+        first = self.step // self.steps_per_epoch + 1
+        for epoch in range(first, self.epochs + 1):
             loader = batches(self.train_ds, self.bs, self.clf.pad_token_id, shuffle=self.shuffle,
                              drop_last=self.drop_last, seed=cfg.Global.seed + epoch)
+            done = self.step - (epoch - 1) * self.steps_per_epoch if epoch == first else 0  # a resumed epoch
             t_epoch = time.perf_counter()
-            for batch in loader:
+            for batch in itertools.islice(loader, done, None):
                 if self.step >= self.total:
                     break
+                if stop.requested:
+                    rundir.interrupt(self, stop.signum, epoch)
                 stats = self.train_step(batch)
                 self.step += 1
                 self.result.losses.append(stats["loss"])
@@ -337,52 +380,64 @@ class _Run:
                         self.evaluate(epoch)
                     save_steps = e.save_load.save_steps
                     if (save_steps and self.step % save_steps == 0) or last:
-                        saved_at = self.save(f"step_{self.step}")
+                        self.save(f"step_{self.step}", epoch)
             self.log.info(f"[Training] epoch: {epoch}, total time: {time.perf_counter() - t_epoch:.5f} sec")
             if epoch_mode:
                 last = self.step >= self.total
                 if self.evals and (epoch % e.eval_freq == 0 or last):
                     self.evaluate(epoch)
                 if epoch % e.save_load.save_epoch == 0 or last:
-                    saved_at = self.save(f"epoch_{epoch}")
+                    self.save(f"epoch_{epoch}", epoch)
             if self.step >= self.total:
                 break
-        self.result.steps = self.step
-        self.result.checkpoint_dir = saved_at
-        self._write_results()
-        self.log.close()
-        return self.result
-
-    def _write_results(self) -> None:
-        r = self.result
-        doc = {"task": r.task, "metric": self.metric, "epochs": r.epochs, "steps": r.steps,
-               "final_loss": r.losses[-1] if r.losses else None, "evals": r.evals, "best": r.best,
-               "checkpoint": str(r.checkpoint_dir) if r.checkpoint_dir else None}
-        tmp = self.output_dir / f".{RESULTS_FILE}.tmp"
-        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(self.output_dir / RESULTS_FILE)
 
 
 def finetune(cfg: Config, pretrained: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-             progress: bool | None = None, echo: bool = True) -> FinetuneResult:
+             progress: bool | None = None, echo: bool = True, resume=None, force: bool = False) -> FinetuneResult:
     """Fine-tune the model at `pretrained` (default Model.pretrained) on the GLUE task of
     `cfg.Data.Train.dataset` and return a `FinetuneResult`; classifier directories are written
-    under Engine.save_load.output_dir."""
+    under Engine.save_load.output_dir.
+
+    The output directory is the run's, as for `pretrain`: locked while the run lasts, another
+    run's checkpoints there refused unless `force` (which deletes them), `resume` ("auto", a
+    saved `epoch_N` / `step_N`, or default `Engine.save_load.ckpt_dir`) continues a run exactly;
+    SIGINT / SIGTERM save the current step and raise `TrainingInterrupted`."""
     from gptforge.config.resolve import world_size_from_env
-    from gptforge.train.process import seed_everything
+    from gptforge.run_lock import lock_dir
 
     if world_size_from_env() > 1:
         raise ConfigError("WORLD_SIZE > 1: gptforge finetune runs in one process (as the reference's "
                           "GPTFinetuneModule); launch it without torchrun")
-    if cfg.Engine.save_load.ckpt_dir:
-        raise ConfigError("Engine.save_load.ckpt_dir: finetune does not resume a run; start from a saved "
-                          "epoch with -o Model.pretrained=OUTPUT/epoch_N (its head is kept)")
+    out = Path(cfg.Engine.save_load.output_dir).expanduser()
+    made_dir = not out.exists()
+    lock = lock_dir(out, "finetune")  # a second writer fails here, naming this process
+    try:
+        return _finetune(cfg, pretrained, device, progress, echo, resume, force)
+    except BaseException:
+        if made_dir:
+            lock.release()
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if this run put nothing there
+        raise
+    finally:
+        lock.release()
+
+
+def _finetune(cfg: Config, pretrained, device, progress, echo, resume, force) -> FinetuneResult:
+    from gptforge.train.process import seed_everything
+    from gptforge.train.run_start import plan_start
+
+    start = plan_start(cfg, resume=resume, force=force, kinds=rundir.KINDS, echo=echo)
     task, loss, metric = _task_settings(cfg)
     num_classes = _num_classes(cfg, task)
-    path = pretrained_path(cfg, pretrained)
+    path = start.resume if start.resume is not None else pretrained_path(cfg, pretrained)
     dev = _device(device if device is not None else cfg.Global.device)
     seed_everything(cfg.Global.seed)
     clf, cfg, tok = build_classifier(cfg, path, dev, num_classes)
+    if start.resume is not None:  # the run's own starting point, not the checkpoint it resumes
+        from gptforge.model_io import read_checkpoint_config
+
+        cfg.Model.pretrained = (read_checkpoint_config(start.resume).get("Model") or {}).get("pretrained") or path
     # The classifier directories record where their data is: absolute, so that `gptforge eval
     # --ckpt OUTPUT/epoch_N` finds the dev split from any directory.
     for ds in (cfg.Data.Train.dataset, cfg.Data.Eval.dataset):
@@ -390,4 +445,18 @@ def finetune(cfg: Config, pretrained: str | os.PathLike | None = None, *, device
             ds.root = str(Path(ds.root).expanduser().resolve())
     cfg.Model.pretrained = str(Path(cfg.Model.pretrained).resolve())
     train, evals = _datasets(cfg, task, tok, clf.gpt.wpe.weight.shape[0])
-    return _Run(cfg, clf, tok, task, loss, metric, train, evals, dev, progress, echo).run()
+    return _Run(cfg, clf, tok, task, loss, metric, train, evals, dev, progress, echo, start).run()
+
+
+def summary_line(res: FinetuneResult, run_mode: str = "epoch") -> str:
+    """The run's last line: the best evaluation and the directory holding it, then the last save."""
+    head = f"gptforge finetune: {res.task}, {res.steps} steps"
+    if res.best is None:
+        return f"{head} -> {res.checkpoint_dir}"
+    unit = "epoch" if run_mode == "epoch" else "step"
+    shown = ", ".join(f"{k} {v['main']:.4f}" for k, v in res.best.items() if isinstance(v, dict))
+    where = res.best.get("checkpoint")
+    best = (f"best ({unit} {res.best[unit]}): {shown} -> {where}" if where else
+            f"best ({unit} {res.best[unit]}, not saved): {shown}")
+    last = "" if where == str(res.checkpoint_dir) else f"; last: {res.checkpoint_dir}"
+    return f"{head}; {best}{last}"

@@ -46,8 +46,9 @@ from gptforge.run_lock import path_writer_alive
 STATE_FILE = "training_state.pt"
 META_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
-TMP_RE = re.compile(r"^\.step_\d+\.tmp-")
-TMP_PID_RE = re.compile(r"^\.step_\d+\.tmp-(\d+)-")  # .step_N.tmp-<pid>-<random>
+CKPT_RE = re.compile(r"^(step|epoch)_(\d+)$")  # finetune also saves epoch_N
+TMP_RE = re.compile(r"^\.(step|epoch)_\d+\.tmp-")
+TMP_PID_RE = re.compile(r"^\.(?:step|epoch)_\d+\.tmp-(\d+)-")  # .step_N.tmp-<pid>-<random>
 ANY_RUN = object()  # prune_checkpoints: every lineage
 
 
@@ -95,27 +96,41 @@ def is_complete(path: Path) -> bool:
     return weights and all((path / f).is_file() for f in ("config.yaml", STATE_FILE, META_FILE))
 
 
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete step checkpoints under `output_dir`, oldest first."""
+def _step_of(path: Path, kinds: tuple[str, ...]) -> int | None:
+    """The step a checkpoint directory named `<kind>_N` holds (epoch_N: from its meta), else None."""
+    m = CKPT_RE.match(path.name)
+    if m is None or m.group(1) not in kinds or not path.is_dir():
+        return None
+    if m.group(1) == "step":
+        return int(m.group(2))
+    try:
+        return int(json.loads((path / META_FILE).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def list_checkpoints(output_dir: str | Path, kinds: tuple[str, ...] = ("step",)) -> list[tuple[int, Path]]:
+    """Complete checkpoints (`step_N`; `kinds` adds finetune's `epoch_N`) under `output_dir`, as
+    (step, path), oldest first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
     found = []
     for c in out.iterdir():
-        m = STEP_RE.match(c.name)
-        if m and c.is_dir() and is_complete(c):
-            found.append((int(m.group(1)), c))
+        n = _step_of(c, kinds)
+        if n is not None and is_complete(c):
+            found.append((n, c))
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete step checkpoint under `output_dir`, or None."""
-    ckpts = list_checkpoints(output_dir)
+def latest_checkpoint(output_dir: str | Path, kinds: tuple[str, ...] = ("step",)) -> Path | None:
+    """The newest complete checkpoint under `output_dir`, or None."""
+    ckpts = list_checkpoints(output_dir, kinds)
     return ckpts[-1][1] if ckpts else None
 
 
-def resolve_resume_dir(path: str | Path) -> Path:
-    """A step checkpoint, or a run directory (→ its newest complete step)."""
+def resolve_resume_dir(path: str | Path, kinds: tuple[str, ...] = ("step",)) -> Path:
+    """A checkpoint, or a run directory (→ its newest complete checkpoint)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: resume checkpoint not found")
@@ -123,7 +138,7 @@ def resolve_resume_dir(path: str | Path) -> Path:
         raise CheckpointError(f"{p}: is a file, expected a directory (a step_N checkpoint or its run directory)")
     if is_complete(p):
         return p
-    latest = latest_checkpoint(p) if p.is_dir() else None
+    latest = latest_checkpoint(p, kinds)
     if latest is not None:
         return latest
     if (p / WEIGHTS_FILE).is_file():
@@ -167,9 +182,23 @@ def run_id_of(path: str | Path) -> str | None:
         return None
 
 
-def foreign_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
-    """Complete step checkpoints in `output_dir` written by another run than `run_id`."""
-    return [p for _, p in list_checkpoints(output_dir) if run_id_of(p) != run_id]
+def foreign_checkpoints(output_dir: str | Path, run_id: str | None,
+                        kinds: tuple[str, ...] = ("step",)) -> list[Path]:
+    """Checkpoints in `output_dir` written by another run than `run_id`, oldest first: complete
+    ones of another lineage, and model directories of that name without training state (an
+    older version's finetune saved those)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for c in out.iterdir():
+        m = CKPT_RE.match(c.name)
+        if m is None or m.group(1) not in kinds or not c.is_dir():
+            continue
+        complete = is_complete(c)
+        if (complete and run_id_of(c) != run_id) or (not complete and (c / WEIGHTS_FILE).is_file()):
+            found.append((_step_of(c, kinds) or int(m.group(2)), c.name, c))
+    return [p for *_, p in sorted(found)]
 
 
 def prune_checkpoints(output_dir: str | Path, keep_last: int | None, run_id=ANY_RUN) -> list[Path]:
@@ -220,19 +249,26 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, cfg, to
                     keep_last: int | None = None) -> Path:
     """Write `output_dir/step_{step}` atomically; returns its path."""
     dest = Path(output_dir) / step_dir_name(step)
+    with atomic_dir(dest, overwrite=True) as tmp:
+        write_model_files(model, cfg, tmp, tokenizer)
+        write_training_state(tmp, step, optimizer, scheduler, precision, meta)
+    prune_checkpoints(output_dir, keep_last, meta.get("run_id"))
+    return dest
+
+
+def write_training_state(directory: Path, step: int, optimizer: torch.optim.Optimizer, scheduler, precision,
+                         meta: dict) -> None:
+    """`training_state.pt` (optimizer, scheduler, scaler, RNG) and `trainer_state.json` (`step` + `meta`)
+    into a checkpoint directory being assembled (finetune's classifier directories use it too)."""
     state = {
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "precision": precision.state_dict(),
         "rng": rng_state(),
     }
+    torch.save(state, directory / STATE_FILE)
     meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
-    with atomic_dir(dest, overwrite=True) as tmp:
-        write_model_files(model, cfg, tmp, tokenizer)
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    prune_checkpoints(output_dir, keep_last, meta.get("run_id"))
-    return dest
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
 def read_meta(path: str | Path) -> dict:

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from gptforge.config.schema import Config
-from gptforge.errors import ConfigError, GPTForgeError, UsageError
+from gptforge.errors import ConfigError, GPTForgeError
 from gptforge.model import moe
 from gptforge.train import checkpoint as ckpt
 from gptforge.train import dist_checkpoint as dist_ckpt
 from gptforge.train.distill import Distiller
+from gptforge.train.interrupt import StopSignals, stop_run
 from gptforge.train.metrics import (
     MoEWindow,
     RunLogger,
@@ -47,6 +48,7 @@ from gptforge.train.precision import Precision
 from gptforge.train.process import seed_everything, tune_cpu_allocator
 from gptforge.train.profile_window import ProfileWindow
 from gptforge.train.recompute import apply_recompute
+from gptforge.train.run_start import RunStart, plan_start
 from gptforge.train.time_fit import TimeFit
 from gptforge.train.weights import check_same_shape, load_pretrained
 
@@ -85,12 +87,14 @@ class Trainer:
     loaded (QAT inserts fake-quant modules here, pruning shrinks the model). `datasets`:
     {"Train": ..., "Eval": ...} to use instead of `build_datasets(cfg)`. `resume`: a step
     checkpoint, a run directory, or "auto" (the newest complete checkpoint in the output dir);
-    default `Engine.save_load.ckpt_dir`.
+    default `Engine.save_load.ckpt_dir`. `start`: where the run starts, already decided by the
+    caller (`run_start.plan_start`); it replaces `resume` and `overwrite`.
 
     The output directory has one owner: the main process holds its lock (`run_lock`, under
     the name `verb`) from here until `train()` returns. Checkpoints of another run there are
     refused unless `overwrite`, which deletes them (with the old metrics and logs) when
-    training starts.
+    training starts. SIGINT / SIGTERM during `train()` save the current step and raise
+    `interrupt.TrainingInterrupted` (docs/pretrain.md).
     """
 
     distiller: Distiller | None = None  # Engine.distill: the teacher term of the loss
@@ -99,7 +103,7 @@ class Trainer:
                  transform: Callable[[nn.Module], nn.Module] | None = None,
                  datasets: dict | None = None, resume: str | Path | None = None,
                  progress: bool | None = None, echo: bool = True, overwrite: bool = False,
-                 verb: str = "pretrain"):
+                 verb: str = "pretrain", start: RunStart | None = None):
         from gptforge.config import check_train_shapes
         from gptforge.device import select_device
         from gptforge.run_lock import lock_dir
@@ -123,7 +127,8 @@ class Trainer:
         # One writer per run directory: a second one fails here, before any work, naming the holder.
         self._lock = lock_dir(self.output_dir, verb) if self.par.is_main else None
         try:
-            self._setup(cfg, model, tokenizer, transform, datasets, resume, progress, echo, overwrite, verb)
+            self._setup(cfg, model, tokenizer, transform, datasets, progress, echo,
+                        self._start(cfg, start, resume, overwrite))
         except BaseException:
             self._release()
             if made_dir and self.par.is_main:
@@ -131,23 +136,23 @@ class Trainer:
                     self.output_dir.rmdir()  # only if this run put nothing there
             raise
 
-    def _setup(self, cfg, model, tokenizer, transform, datasets, resume, progress, echo, overwrite, verb) -> None:
+    def _start(self, cfg, start: RunStart | None, resume, overwrite: bool) -> RunStart:
+        """Where the run starts; a decision taken before the lock is checked again under it."""
+        if start is None:
+            return plan_start(cfg, resume=resume, force=overwrite)
+        start.check_lineage()
+        return start
+
+    def _setup(self, cfg, model, tokenizer, transform, datasets, progress, echo, start: RunStart) -> None:
         from gptforge.config import check_train_shapes
 
         e = cfg.Engine
         self.max_steps = e.max_steps
         self.gbs, self.local_bs = cfg.Global.global_batch_size, cfg.Global.local_batch_size
         self.acc = e.accumulate_steps
-        self.resume_dir = self._resume_dir(resume if resume is not None else e.save_load.ckpt_dir)
-        # Lineage: a resumed run keeps the id its checkpoint records; keep_last prunes only it.
-        self.run_id = ckpt.run_id_of(self.resume_dir) if self.resume_dir is not None else ckpt.new_run_id()
-        self.overwrite = overwrite
-        foreign = ckpt.foreign_checkpoints(self.output_dir, self.run_id) if self.par.is_main else []
-        if foreign and not overwrite:
-            names = ", ".join(p.name for p in foreign[-3:])
-            hint = ", or start over there with --force (deletes them)" if verb == "pretrain" else ""
-            raise UsageError(f"{self.output_dir}: already holds checkpoints of another run ({names}); continue "
-                             f"that run with --resume auto, choose another Engine.save_load.output_dir{hint}")
+        self.start = start
+        self.resume_dir = start.resume
+        self.run_id = start.run_id  # keep_last prunes only this lineage
         seed_everything(cfg.Global.seed)
 
         # 1. model → pretrained weights → caller's transform → device → resumed weights
@@ -228,16 +233,6 @@ class Trainer:
         self.peak = peak_flops(self.device, self.precision.name)
 
     # ------------------------------------------------------------------------- setup
-
-    def _resume_dir(self, spec) -> Path | None:
-        if spec is None or str(spec) == "":
-            return None
-        if str(spec) == "auto":
-            latest = ckpt.latest_checkpoint(self.output_dir)
-            if latest is None:
-                _notice(f"--resume auto: no complete checkpoint in {self.output_dir}; starting from step 0")
-            return latest
-        return ckpt.resolve_resume_dir(spec)
 
     def _load_tokenizer(self):
         from gptforge.data.tokenizer import load_tokenizer
@@ -393,22 +388,18 @@ class Trainer:
         self.last_checkpoint = path or self.output_dir / ckpt.step_dir_name(self.step)
         return path
 
+    def _save(self, loss: float, log) -> Path | None:
+        path = self.save(loss)
+        if path is not None:
+            log.info(f"[save] step {self.step}: {path}")
+        return self.last_checkpoint
+
     def _write_run_config(self) -> None:
         from gptforge.config import config_to_yaml
         from gptforge.durable import write_text_durable
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_text_durable(self.output_dir / "config.yaml", config_to_yaml(self.cfg))
-
-    def _start_over(self) -> None:
-        """`overwrite`: delete the other runs' checkpoints and the old logs before step 1."""
-        import shutil
-
-        for p in ckpt.foreign_checkpoints(self.output_dir, self.run_id):
-            shutil.rmtree(p)
-        for name in ("metrics.jsonl", "train.log"):
-            (self.output_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(self.output_dir / "tensorboard", ignore_errors=True)
 
     def _release(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -430,8 +421,7 @@ class Trainer:
         train_len = len(self.datasets["Train"])
         if self.par.is_main:
             ckpt.clean_stale_tmp(self.output_dir)
-            if self.overwrite:
-                self._start_over()
+            self.start.start_over()
             self._write_run_config()
         self.par.barrier()  # no rank writes a checkpoint before the stale temp dirs are gone
         # Records past the resumed step were logged by a run that died before saving them: drop
@@ -453,7 +443,9 @@ class Trainer:
         prof = ProfileWindow(cfg, self.output_dir, self.device, log) if cfg.Profiler.enable else None
         fit = TimeFit(self.scheduler.schedule, self.max_steps, e.max_time, self.gbs, self.step, e.fit_max_steps) \
             if e.fit_to_max_time and e.max_time else None
+        stop = StopSignals()
         try:
+            stop.__enter__()
             while self.step < self.max_steps:
                 if prof is not None:
                     prof.before(self.step + 1)
@@ -498,12 +490,14 @@ class Trainer:
                                                    "eval_time": cost * e.eval_iters})
                     t_window += time.perf_counter() - t0  # eval time is not train time
                 out_of_time = self._out_of_time(t_start)
-                if (save_steps and self.step % save_steps == 0) or self.step == self.max_steps or out_of_time:
+                saved = (save_steps and self.step % save_steps == 0) or self.step == self.max_steps or out_of_time
+                if saved:
                     t0 = time.perf_counter()
-                    path = self.save(stats["loss"])
-                    if path is not None:
-                        log.info(f"[save] step {self.step}: {path}")
+                    self._save(stats["loss"], log)
                     t_window += time.perf_counter() - t0
+                if self.step < self.max_steps and self._any_rank(stop.requested):  # Ctrl-C / SIGTERM
+                    stop_run(stop.signum, self.step, self.last_checkpoint if saved else self._save(stats["loss"], log),
+                             log)
                 if out_of_time and self.step < self.max_steps:
                     log.record("stop", self.step, {"reason": "max_time", "max_time": e.max_time,
                                                    "last_checkpoint": str(self.last_checkpoint)})
@@ -519,6 +513,8 @@ class Trainer:
         except BaseException:  # an error or an interrupt: tracker runs are marked failed and closed
             log.close(ok=False)
             raise
+        finally:
+            stop.__exit__()
         elapsed = time.perf_counter() - t_start
         done = self.step - start_step
         tps = done * tokens_per_step / elapsed if done and elapsed > 0 else 0.0
@@ -543,6 +539,16 @@ class Trainer:
             self.max_steps = n
             log.set_total(n)
             self.scheduler.apply()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a signal may reach only some of them)."""
+        if self.par.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def _out_of_time(self, t_start: float) -> bool:
         """`Engine.max_time` has passed (every rank takes rank 0's answer, so all stop together)."""
