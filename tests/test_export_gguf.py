@@ -214,3 +214,32 @@ def test_cli_export_and_its_errors(run_cli, tmp_path):
     assert code == 0, err
     assert _read(out)[1]["general.file_type"] == gguf.LlamaFileType.MOSTLY_F16
     assert not os.path.exists(tmp_path / "x.gguf")
+
+
+@torch.no_grad()
+def test_convert_reads_a_gguf_back(run_cli, exported, tmp_path):
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.model_io import load_model
+
+    model, _, files = exported
+    ids = _ids()
+    code, out, err = run_cli("convert", "--src", files["f32"], "--out", tmp_path / "f32")
+    assert code == 0, err
+    assert f"converted {files['f32']} -> {tmp_path / 'f32'}" in out
+    back, cfg = load_model(tmp_path / "f32")
+    assert cfg.Model.vocab_size == N_TOK and cfg.Model.max_position_embeddings == 256
+    torch.testing.assert_close(back(ids).logits, model(ids).logits[..., :N_TOK], rtol=0, atol=1e-6)
+    text = "sphinx of black quartz"
+    assert load_tokenizer(None, tmp_path / "f32").encode(text) == small_tokenizer().encode(text)
+
+    # q4_0: the weights come back as the gguf package dequantizes them
+    assert run_cli("convert", "--src", files["q4_0"], "--out", tmp_path / "q4")[0] == 0
+    back, _ = load_model(tmp_path / "q4")
+    tensors = _read(files["q4_0"])[2]
+    np.testing.assert_array_equal(back.blocks[1].linear1.weight.numpy(), _dequantized(tensors["blk.1.ffn_up.weight"]))
+    np.testing.assert_array_equal(back.wte.weight.numpy(), _dequantized(tensors["token_embd.weight"]))
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF not really")
+    _one_line_error(*run_cli("convert", "--src", bad, "--out", tmp_path / "bad")[::2], "bad.gguf",
+                    "not a readable GGUF file")
