@@ -7,6 +7,7 @@ pruned and quantized models export; the CLI and its one-line errors. The llama.c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -243,3 +244,37 @@ def test_convert_reads_a_gguf_back(run_cli, exported, tmp_path):
     bad.write_bytes(b"GGUF not really")
     _one_line_error(*run_cli("convert", "--src", bad, "--out", tmp_path / "bad")[::2], "bad.gguf",
                     "not a readable GGUF file")
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_llama_cpp_runs_our_f32_gguf_with_our_logits_and_greedy_text(exported):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (extra `llama`)")
+    from gptforge.generate import generate_ids
+
+    model, cfg, files = exported
+    llm = llama_cpp.Llama(str(files["f32"]), n_ctx=256, n_batch=256, n_threads=1, n_threads_batch=1,
+                          logits_all=True, verbose=False, seed=0,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)  # no f16 KV rounding
+    try:
+        tok = small_tokenizer()
+        text = "the quick brown fox jumps over the lazy dog. pack my box with"
+        prompt = tok.encode(text)
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == prompt  # the GGUF tokenizer = ours
+        assert llm.n_vocab() == N_TOK
+
+        llm.reset()
+        llm.eval(prompt)
+        theirs = torch.from_numpy(np.array(llm.scores[:len(prompt)], dtype=np.float32))
+        ours = model(torch.tensor([prompt])).logits[0, :, :N_TOK]
+        assert (theirs - ours).abs().max() < 1e-4
+
+        gen = dataclasses.replace(cfg.Generation, decode_strategy="greedy_search", max_dec_len=32)
+        want = generate_ids(model, [prompt], gen, eos_token_id=tok.eos_token_id, vocab_limit=N_TOK).sequences()[0]
+        llm.reset()
+        out = llm.create_completion(text, max_tokens=32, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                    repeat_penalty=1.0)
+        assert len(want) == 32 and tok.eos_token_id not in want
+        assert out["choices"][0]["text"] == tok.decode(want)
+    finally:
+        llm.close()
