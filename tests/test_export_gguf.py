@@ -248,7 +248,7 @@ def test_convert_reads_a_gguf_back(run_cli, exported, tmp_path):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_llama_cpp_runs_our_f32_gguf_with_our_logits_and_greedy_text(exported):
+def test_llama_cpp_runs_our_f32_gguf_with_our_logits_and_greedy_text(exported, monkeypatch):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (extra `llama`)")
     from gptforge.generate import generate_ids
 
@@ -267,14 +267,31 @@ def test_llama_cpp_runs_our_f32_gguf_with_our_logits_and_greedy_text(exported):
         llm.eval(prompt)
         theirs = torch.from_numpy(np.array(llm.scores[:len(prompt)], dtype=np.float32))
         ours = model(torch.tensor([prompt])).logits[0, :, :N_TOK]
-        assert (theirs - ours).abs().max() < 1e-4
+        diff = float((theirs - ours).abs().max())
+        # llama.cpp evaluates GELU through a table indexed by the input rounded to fp16
+        # (GGML_GELU_FP16): about 2^-11 relative per activation, so 1e-4 absolute is out of reach
+        # for logits of a few units (measured: 1.8e-3 at max |logit| 4.4; 1.2e-4 at 1.0 with the
+        # reference's N(0, 0.02) init). The same rounding in our forward accounts for most of it:
+        with monkeypatch.context() as mp:
+            gelu = torch.nn.functional.gelu
+            mp.setattr(torch.nn.functional, "gelu",
+                       lambda x, approximate="none": torch.where(x.abs() >= 10, gelu(x, approximate=approximate),
+                                                                 gelu(x.half().float(), approximate=approximate)
+                                                                 .half().float()))
+            ours_fp16_gelu = model(torch.tensor([prompt])).logits[0, :, :N_TOK]
+        assert diff < 1e-3 * max(1.0, float(ours.abs().max()))
+        assert float((theirs - ours_fp16_gelu).abs().max()) < diff / 2
 
         gen = dataclasses.replace(cfg.Generation, decode_strategy="greedy_search", max_dec_len=32)
         want = generate_ids(model, [prompt], gen, eos_token_id=tok.eos_token_id, vocab_limit=N_TOK).sequences()[0]
-        llm.reset()
-        out = llm.create_completion(text, max_tokens=32, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                                    repeat_penalty=1.0)
         assert len(want) == 32 and tok.eos_token_id not in want
-        assert out["choices"][0]["text"] == tok.decode(want)
+        theirs = []
+        for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):  # its sampler
+            theirs.append(t)
+            if len(theirs) == 32:
+                break
+        # the same tokens, hence the same text (a random model's bytes are not always valid UTF-8,
+        # which the two detokenizers show differently, so the ids are compared)
+        assert theirs == want
     finally:
         llm.close()
