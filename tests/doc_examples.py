@@ -9,7 +9,9 @@ An HTML comment on the line just above a fence changes how it runs:
 - `<!-- doctest: slow -->` runs it only in `make test-all` (blocks after it on the page must not
   need what it makes, or must be slow too);
 - `<!-- doctest: skip REASON -->` never runs it; REASON is required (e.g. "needs a GPU",
-  "runs the test suite itself").
+  "runs the test suite itself");
+- `<!-- doctest: needs MODULE -->` runs it only where the Python module MODULE is importable (an
+  optional extra that is costly to install, e.g. `llama_cpp`), and skips it, saying so, elsewhere.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN_LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
-_DIRECTIVE = re.compile(r"^\s*<!--\s*doctest:\s*(?P<kind>slow|skip)\b\s*(?P<reason>.*?)\s*-->\s*$")
+_DIRECTIVE = re.compile(r"^\s*<!--\s*doctest:\s*(?P<kind>slow|skip|needs)\b\s*(?P<reason>.*?)\s*-->\s*$")
 
 
 @dataclass
@@ -37,6 +39,12 @@ class Example:
     @property
     def where(self) -> str:
         return f"{self.page}:{self.line}"
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return bool(module) and importlib.util.find_spec(module) is not None
 
 
 def pages() -> list[Path]:
@@ -68,6 +76,9 @@ def examples(path: Path) -> list[Example]:
         if d:
             if d["kind"] == "slow":
                 ex.slow = True
+            elif d["kind"] == "needs":
+                module = d["reason"]  # no module named is reported like a skip without a reason
+                ex.skip = "?" if not module else "" if _importable(module) else f"needs the {module} module"
             else:
                 ex.skip = d["reason"] or "?"
         out.append(ex)

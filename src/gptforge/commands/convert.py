@@ -1,4 +1,4 @@
-"""`gptforge convert`: HF GPT-2 / PaddleFleetX .pdparams / our directories → ours or HF.
+"""`gptforge convert`: HF GPT-2 / PaddleFleetX .pdparams / GGUF (gpt2) / our directories → ours or HF.
 
 A distributed step checkpoint (torch.distributed.checkpoint shards written by a multi-process
 `pretrain`) becomes a single-file model directory: the shards are read and joined in this one
@@ -16,7 +16,7 @@ from gptforge.commands.common import add_config_args, ensure_out_dir
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", "--src", dest="src", required=True, metavar="PATH",
                    help="source: our model dir (a distributed step_N checkpoint too), an HF GPT-2 dir, "
-                        "a model.pdparams (or its dir); --src is the older spelling")
+                        "a model.pdparams (or its dir), a gpt2 .gguf file (dequantized); --src is the older spelling")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")
@@ -28,10 +28,16 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.run_lock import lock_output
 
     with lock_output(args.out, "convert"):  # a second writer of --out fails at once, naming this one
+        if str(args.src).endswith(".gguf"):  # read through a temporary HF directory: one loader of layouts
+            from gptforge.export.gguf_read import gguf_as_hf_dir
+
+            ensure_out_dir(args.out, args.force)
+            with gguf_as_hf_dir(args.src) as hf_dir:
+                return _convert(argparse.Namespace(**{**vars(args), "src": str(hf_dir)}), shown=args.src)
         return _convert(args)
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _convert(args: argparse.Namespace, shown: str | None = None) -> int:
     import dataclasses
 
     from gptforge.config import DistributedConfig
@@ -62,5 +68,5 @@ def _convert(args: argparse.Namespace) -> int:
             save_model_dir(model, cfg, args.out, tokenizer=tok, overwrite=args.force)
     n = sum(p.numel() for p in model.parameters())
     what = f"{args.to}, {n / 1e6:.2f}M parameters" + (", joined from a distributed checkpoint" if sharded else "")
-    print(f"converted {src} -> {args.out} ({what})")
+    print(f"converted {shown or src} -> {args.out} ({what})")
     return 0

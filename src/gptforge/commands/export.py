@@ -1,9 +1,10 @@
-"""`gptforge export`: a model directory as an HF `transformers` directory, ONNX or torch.export.
+"""`gptforge export`: a model directory as an HF `transformers` directory, ONNX, torch.export or GGUF.
 
     gptforge export --format hf --ckpt DIR --out hf/ [--max-shard-size 500MB]
     gptforge export --format onnx --ckpt DIR --out onnx/                 # fp32, or INT8 QDQ from a QAT/PTQ/INT8 model
     gptforge export --format torch --ckpt DIR --out pt2/
     gptforge export --format hf --ckpt BASE --adapter LORA_DIR --out hf/  # the adapter merged (docs/lora.md)
+    gptforge export --format gguf --ckpt DIR --out model.gguf [--gguf-type f32|f16|q8_0|q4_0]   # llama.cpp
     gptforge infer --ckpt onnx/ --prompt "Hello"
 
 ONNX and torch exports are checked against the PyTorch model before anything is written
@@ -17,19 +18,21 @@ import argparse
 from gptforge.commands.common import add_config_args
 from gptforge.errors import UsageError
 
-FORMATS = ("hf", "onnx", "torch")
+FORMATS = ("hf", "onnx", "torch", "gguf")
 EXTRA_HINT = "pip install 'gptforge[export]' (onnx, onnxruntime, onnxscript)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Export a model directory (dense, pruned, QAT/PTQ or INT8) as an HF transformers GPT-2 directory, "
-                     "an ONNX model with past keys/values (fp32, or INT8 QDQ from a quantized model), or a "
-                     "torch.export program (.pt2).")
+                     "an ONNX model with past keys/values (fp32, or INT8 QDQ from a quantized model), a "
+                     "torch.export program (.pt2), or a GGUF file for llama.cpp.")
     add_config_args(p, ckpt_help="the model directory to export (ours, HF GPT-2, .pdparams, QAT/PTQ, INT8, pruned)")
-    p.add_argument("--format", required=True, metavar="{hf,onnx,torch}",
+    p.add_argument("--format", required=True, metavar="{hf,onnx,torch,gguf}",
                    help="hf: a transformers GPT-2 directory; onnx: the decoding-step graph (fp32 or INT8 QDQ); "
-                        "torch: the same step as a torch.export program")
-    p.add_argument("--out", metavar="DIR", help="output directory (written atomically)")
+                        "torch: the same step as a torch.export program; gguf: one file for llama.cpp")
+    p.add_argument("--out", metavar="DIR", help="output directory (written atomically); gguf: the .gguf file")
+    p.add_argument("--gguf-type", metavar="{f32,f16,q8_0,q4_0}",
+                   help="gguf: how the 2-D weights are stored (default f32; q4_0 keeps the tied head at q8_0)")
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
                         "model's weights (activations stay float)")
@@ -62,6 +65,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("give the model to export with --ckpt DIR")
     if not args.out:
         raise UsageError("give the output directory with --out DIR")
+    if args.format == "gguf":
+        _validate_gguf(args)
+    elif args.gguf_type is not None:
+        raise UsageError("--gguf-type applies to --format gguf")
     if args.format == "hf":
         if args.precision != "auto":
             raise UsageError("--precision applies to --format onnx/torch; an HF export is always float "
@@ -72,6 +79,28 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("--max-shard-size applies to --format hf")
     if args.format != "onnx" and args.qdq_dtype != "uint8":
         raise UsageError("--qdq-dtype applies to --format onnx")
+
+
+def _validate_gguf(args: argparse.Namespace) -> None:
+    import os
+
+    from gptforge.export.gguf import check_gguf_type
+
+    args.gguf_type = check_gguf_type(args.gguf_type or "f32")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise UsageError("--format gguf needs the gguf package, which is not installed: "
+                         "pip install 'gptforge[export]'") from None
+    if args.precision != "auto" or args.no_check:
+        raise UsageError(f"--{'precision' if args.precision != 'auto' else 'no-check'} applies to --format onnx/torch; "
+                         "a GGUF file's precision is --gguf-type")
+    if not str(args.out).endswith(".gguf"):
+        raise UsageError(f"--out {args.out}: a GGUF export is one file; name it FILE.gguf")
+    if os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: is a directory, expected a .gguf file; choose another --out")
+    if os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out}: already exists; choose another --out or pass --force")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.run_lock import lock_output
 
     with lock_output(args.out, "export"):  # a second writer of --out fails at once, naming this one
-        ensure_out_dir(args.out, args.force)
+        if args.format != "gguf":  # a file, checked by _validate_gguf
+            ensure_out_dir(args.out, args.force)
         if args.format == "onnx":
             check_export_extra()
         cfg = config_from_args(args)
@@ -112,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
         if args.format == "hf":
             return _hf(model, cfg, tok, args)
+        if args.format == "gguf":
+            return _gguf(model, cfg, tok, args)
         return _program(model, cfg, tok, args)
 
 
@@ -135,6 +167,24 @@ def _hf(model, cfg, tok, args) -> int:
         notes.append("per-layer shapes zero-padded to GPT-2's uniform shape")
     print(f"gptforge export: hf, {len(shards)} weight file(s), n_head {r.n_head}, n_inner {r.n_inner}"
           f"{'; ' + '; '.join(notes) if notes else ''} -> {r.out_dir}")
+    return 0
+
+
+def _gguf(model, cfg, tok, args) -> int:
+    from gptforge.export.gguf import save_gguf
+    from gptforge.progress import task
+
+    with task(f"export: GGUF {args.gguf_type}"):
+        r = save_gguf(model, args.out, tok, args.gguf_type, model_cfg=cfg.Model)
+    notes = [f"{r.source_kind} model: weights folded to float"] if r.source_kind != "float" else []
+    if r.zero_padded:
+        notes.append("per-layer shapes zero-padded to GPT-2's uniform shape")
+    if r.dropped_rows:
+        notes.append(f"{r.dropped_rows} padded-vocabulary rows left out")
+    if r.f16_fallback:
+        notes.append(f"{len(r.f16_fallback)} tensor(s) stored f16 (rows not whole blocks)")
+    print(f"gptforge export: gguf {r.gguf_type}, gpt2, {r.n_vocab} tokens, n_head {r.n_head}, n_inner {r.n_inner}, "
+          f"{r.bytes / 2**20:.1f} MiB{'; ' + '; '.join(notes) if notes else ''} -> {r.path}")
     return 0
 
 
@@ -179,8 +229,8 @@ def _classifier(ckpt, cfg, args) -> int:
     """A fine-tuned classifier (`gptforge finetune`): GPT2ForSequenceClassification or ONNX logits."""
     from gptforge.finetune.classifier import load_classifier
 
-    if args.format == "torch":
-        raise UsageError("--format torch exports language models; export a classifier with --format hf or onnx")
+    if args.format in ("torch", "gguf"):
+        raise UsageError(f"--format {args.format} exports language models; export a classifier with --format hf or onnx")
     if args.format == "onnx" and args.precision == "int8":
         raise UsageError("--precision int8: a classifier exports as fp32 ONNX (quantized weights folded)")
     clf, cfg, tok, task = load_classifier(ckpt, cfg, device="cpu")

@@ -5,16 +5,18 @@
 - `export_onnx(model, dir, tokenizer, cfg=cfg, precision="auto")`: ONNX fp32, or INT8 QDQ
   from a quantized checkpoint, with past keys/values for decoding;
 - `export_torch(...)`: the same step function as a `torch.export` program (`model.pt2`);
+- `save_gguf(model, "model.gguf", tokenizer, "q8_0")`: one GGUF file for llama.cpp (gpt2
+  architecture; f32, f16, q8_0, q4_0), tokenizer included;
 - `load_onnx_dir(dir)` → (`OrtBackend`, config, tokenizer): an onnxruntime `StepBackend`
   for `gptforge.generate`; `load_program(dir)` reloads a `.pt2` export.
 
-onnx / onnxruntime are imported only by the functions that need them (extra `export`).
+onnx / onnxruntime / gguf are imported only by the functions that need them (extra `export`).
 """
 
 from gptforge.export.common import META_FILE, PRECISIONS, fold_quantization, model_kind
 from gptforge.export.hf import save_hf, save_pruned_hf_dir
 
-FORMATS = ("hf", "onnx", "torch")
+FORMATS = ("hf", "onnx", "torch", "gguf")
 
 
 def __getattr__(name: str):
@@ -22,7 +24,7 @@ def __getattr__(name: str):
     lazy = {"export_onnx": "gptforge.export.onnx", "ExportReport": "gptforge.export.program",
             "export_torch": "gptforge.export.torch_export", "load_program": "gptforge.export.torch_export",
             "OrtBackend": "gptforge.export.ort_generate", "load_onnx_dir": "gptforge.export.ort_generate",
-            "to_qdq": "gptforge.export.qdq"}
+            "to_qdq": "gptforge.export.qdq", "save_gguf": "gptforge.export.gguf"}
     if name in lazy:
         import importlib
 
@@ -31,5 +33,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["FORMATS", "META_FILE", "PRECISIONS", "ExportReport", "OrtBackend", "export_onnx", "export_torch",
-           "fold_quantization", "load_onnx_dir", "load_program", "model_kind", "save_hf", "save_pruned_hf_dir",
+           "fold_quantization", "load_onnx_dir", "load_program", "model_kind", "save_gguf", "save_hf", "save_pruned_hf_dir",
            "to_qdq"]

@@ -1,0 +1,177 @@
+"""Batch-1 greedy decode: llama.cpp on our GGUF export vs gptforge, at each precision.
+
+    .venv/bin/python benchmarks/lowbit_decode.py                       # 124M and 345M, 64 tokens, 3 rounds
+    .venv/bin/python benchmarks/lowbit_decode.py --presets 124M --rounds 5 --threads 2
+
+Random weights of the GPT-2 124M / 345M shapes (the reference's init; nothing is downloaded),
+GPT-2's vocabulary (50257 tokens; our model pads it to 50304 rows, the GGUF export leaves the
+padding out). One prompt of `--prompt` random tokens, then `--new-tokens` greedy tokens; per-token
+decode time after the prompt. The engines, all at the same thread count:
+
+- gptforge fp32: the step loop `gptforge generate` uses (`TorchBackend`, KV cache, packed fp32
+  weights: `Generation.fast_cpu_decode`);
+- gptforge int8: the real INT8 model (`gptforge ptq` + `quantize --convert`: per-channel int8
+  weights, static int8 activations, int8 embedding / head) through the same loop;
+- llama.cpp (llama-cpp-python) on `gptforge export --format gguf` files: f32, f16, q8_0, q4_0
+  (q4_0 keeps the tied head at q8_0); its default f16 KV cache; `eval` of one token per step
+  and an argmax over its logits, as ours.
+
+gptforge has no bf16-weight decode path yet, so llama.cpp's f16 figure stands alone. Rounds
+interleave every engine (load from other processes hits all alike); reported: median of the
+per-round medians, and the spread (min-max of the round medians), with the load average before
+and after and the CPU name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_speed import cpu_name, decode_times  # noqa: E402 - the shared decode loop and CPU line
+
+LLAMA_TYPES = ("f32", "f16", "q8_0", "q4_0")
+
+
+def build(preset: str, seed: int = 0):
+    from gptforge.config import load_config
+    from gptforge.model import build_model
+
+    cfg = load_config(overrides=[f"Model.preset={preset}", "Data.tokenizer=gpt2", "Model.hidden_dropout_prob=0",
+                                 "Model.attention_probs_dropout_prob=0"])
+    torch.manual_seed(seed)
+    return build_model(cfg.Model).eval(), cfg
+
+
+def int8_model(model, vocab: int, seed: int = 1):
+    """`gptforge ptq` + `quantize --convert` on `model`: calibrated on one random batch."""
+    from gptforge.compress.ptq import calibrate
+    from gptforge.config.schema import QuantizationConfig
+    from gptforge.transforms.int8 import convert_model
+    from gptforge.transforms.quant import quantize_model
+
+    q = QuantizationConfig(enable=True, weight_quantize_type="channel_wise_abs_max",
+                           activation_preprocess_type="PACT", quantize_embedding=True)
+    m = quantize_model(copy.deepcopy(model), q)
+    g = torch.Generator().manual_seed(seed)
+    calibrate(m, [torch.randint(0, vocab, (2, 128), generator=g)], "abs_max")
+    convert_model(m)
+    return m
+
+
+def _last_logits(llm) -> np.ndarray:
+    import llama_cpp
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
+def llama_times(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """(prefill seconds, per-token seconds) of llama.cpp's greedy decode through llama-cpp-python."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - t0
+    tok = int(np.argmax(_last_logits(llm)))
+    steps = []
+    for _ in range(new_tokens):
+        t = time.perf_counter()
+        llm.eval([tok])
+        tok = int(np.argmax(_last_logits(llm)))
+        steps.append(time.perf_counter() - t)
+    return prefill, steps
+
+
+def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:
+    """[(engine, per-round median seconds per token, weight bytes)] for one model shape."""
+    import llama_cpp
+
+    from gptforge.compress.int8_convert import state_bytes
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.export.gguf import save_gguf
+
+    model, cfg = build(preset)
+    tok = gpt2_tokenizer()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, tok.vocab_size, (1, args.prompt), generator=g)
+    engines: dict[str, tuple[object, int]] = {"gptforge fp32": (model, state_bytes(model))}
+    q = int8_model(model, tok.vocab_size)
+    engines["gptforge int8"] = (q, state_bytes(q))
+    for t in args.llama_types:
+        path = tmp / f"{preset}_{t}.gguf"
+        r = save_gguf(model, path, tok, t, model_cfg=cfg.Model)
+        llm = llama_cpp.Llama(str(path), n_ctx=args.prompt + args.new_tokens + 8, n_batch=args.prompt,
+                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
+        engines[f"llama.cpp {t}"] = (llm, r.bytes)
+    ids = prompt[0].tolist()
+    for name, (eng, _) in engines.items():  # warm-up: first-call packing, page faults of the mapped file
+        decode_times(eng, prompt, 2, True) if name.startswith("gptforge") else llama_times(eng, ids, 2)
+    rounds: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(args.rounds):
+        for name, (eng, _) in engines.items():
+            steps = (decode_times(eng, prompt, args.new_tokens, True)[1] if name.startswith("gptforge")
+                     else llama_times(eng, ids, args.new_tokens)[1])
+            rounds[name].append(statistics.median(steps))
+    for name, (eng, _) in engines.items():
+        if not name.startswith("gptforge"):
+            eng.close()
+    return [(name, rounds[name], engines[name][1]) for name in engines]
+
+
+def report(preset: str, rows, args) -> None:
+    print(f"\n### {preset}: batch 1, prompt {args.prompt}, {args.new_tokens} greedy tokens, {args.threads} threads, "
+          f"{args.rounds} interleaved rounds\n")
+    print("| engine | weights | tokens/s (median) | spread (min-max of rounds) | ms/token | weight MB |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, per_round, nbytes in rows:
+        med = statistics.median(per_round)
+        lo, hi = 1 / max(per_round), 1 / min(per_round)
+        print(f"| {name.split()[0]} | {name.split()[1]} | {1 / med:.1f} | {lo:.1f}-{hi:.1f} | {med * 1e3:.1f} | "
+              f"{nbytes / 1e6:.0f} |")
+    tps = {name: 1 / statistics.median(r) for name, r, _ in rows}
+    pairs = (("fp32", "f32"), ("int8", "q8_0"))
+    for ours, theirs in pairs:
+        if f"gptforge {ours}" in tps and f"llama.cpp {theirs}" in tps:
+            print(f"\ngptforge {ours} / llama.cpp {theirs}: {tps[f'gptforge {ours}'] / tps[f'llama.cpp {theirs}']:.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["124M", "345M"])
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for both engines")
+    ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python is not installed: pip install 'gptforge[llama]'")
+        return 2
+    torch.set_num_threads(args.threads)
+    from gptforge.compress.cpu_kernels import describe
+
+    load0 = os.getloadavg()
+    print(f"machine: {cpu_name()}; {describe(onnxruntime=False)}; torch {torch.__version__}; llama-cpp-python "
+          f"{llama_cpp.__version__}; load average {' '.join(f'{v:.2f}' for v in load0)}")
+    with tempfile.TemporaryDirectory(prefix="lowbit-decode-") as d:
+        for preset in args.presets:
+            rows = run_preset(preset, args, Path(d))
+            report(preset, rows, args)
+            print(f"(load average now {' '.join(f'{v:.2f}' for v in os.getloadavg())})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
