@@ -1,0 +1,108 @@
+"""End to end on the built-in corpus: pretrain a small model, instruction-tune it on the synthetic
+set (data/synthetic_instructions.py), answer held-out instances greedily; DPO the pretrained
+model on synthetic preference pairs. Also a quick default-suite version of the sft verb."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gptforge.data.synthetic_instructions import messages, score_answers, write_set
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def greedy_answers(ckpt, prompts: list[str], max_new: int = 24) -> dict:
+    """Greedy answers of the model at `ckpt` (its own chat template) → answers and EOS flags."""
+    from gptforge.config.schema import GenerationConfig
+    from gptforge.data.chat_template import template_for
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.generate.api import generate_ids
+    from gptforge.model_io import load_model
+
+    model, _ = load_model(ckpt)
+    tok = load_tokenizer(None, ckpt)
+    template = template_for(tok)
+    ids = [template.prompt_ids(tok, messages(p)) for p in prompts]
+    out = generate_ids(model, ids, GenerationConfig(decode_strategy="greedy_search", max_dec_len=max_new),
+                       eos_token_id=tok.eos_token_id)
+    return {"answers": [tok.decode(s) for s in out.sequences()], "finished": out.finished.tolist()}
+
+
+def test_sft_verb_trains_saves_the_template_and_resumes(tmp_path, run_cli):
+    from gf_testutil import spread_gpt2_vocab_dir
+
+    base = spread_gpt2_vocab_dir(tmp_path / "base")
+    files = write_set(tmp_path / "data", n_train=48, n_test=8)
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    args = ["sft", "--ckpt", base, "--data", files["train"], "--eval-data", files["test"], "--out", tmp_path / "run",
+            "--chat-template", template, "-o", "Global.global_batch_size=4", "-o", "Data.Train.dataset.max_seq_len=48",
+            "-o", "Engine.save_load.save_steps=2", "-o", "Optimizer.lr.max_lr=1e-3", "--no-progress"]
+    code, out, err = run_cli(*args, "-o", "Instruct.max_steps=4")
+    assert code == 0, err
+    assert "validation loss" in out
+    cfg = json.loads((tmp_path / "run" / "step_4" / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] == template.read_text()
+    # the exported HF directory carries the template for transformers
+    code, _, err = run_cli("export", "--ckpt", tmp_path / "run" / "step_4", "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).chat_template == template.read_text()
+    # a longer run resumes from step 4 and ends as an uninterrupted one would
+    code, out, err = run_cli(*args, "-o", "Instruct.max_steps=6", "--resume", "auto")
+    assert code == 0 and "step 6" in out, err
+
+
+def test_sft_errors_are_one_line(tmp_path, run_cli):
+    from gf_testutil import spread_gpt2_vocab_dir
+
+    base = spread_gpt2_vocab_dir(tmp_path / "base")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": 3}\n')
+    code, _, err = run_cli("sft", "--ckpt", base, "--data", bad, "--out", tmp_path / "run", "--no-progress")
+    assert code == 2 and f"{bad}:2: field 'output' must be a string" in err and "Traceback" not in err
+    code, _, err = run_cli("sft", "--ckpt", base, "--out", tmp_path / "run", "--no-progress")
+    assert code == 2 and "Instruct.train_data" in err
+
+
+@pytest.mark.slow
+def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path, run_cli):
+    from gptforge.config import load_config
+    from gptforge.train import pretrain
+
+    steps = int(os.environ.get("GPTFORGE_E2E_PRETRAIN_STEPS", "300"))
+    cfg = load_config("pretrain_gpt_tiny_cpu", [
+        "Global.device=cpu", f"Engine.max_steps={steps}", "Engine.eval_freq=-1", "Engine.save_load.save_steps=-1",
+        "Global.global_batch_size=16", "Global.local_batch_size=16", "Global.micro_batch_size=16",
+        "Data.Train.dataset.max_seq_len=64", "Data.Eval.dataset.max_seq_len=64", "Optimizer.lr.max_lr=2e-3",
+        f"Engine.save_load.output_dir={tmp_path / 'pre'}", "Engine.logging_freq=50"])
+    pre = pretrain(cfg, progress=False, echo=False).checkpoint_dir
+    files = write_set(tmp_path / "data", n_train=4000, n_test=200)
+    common = ["-o", "Global.global_batch_size=16", "-o", "Data.Train.dataset.max_seq_len=64", "-o",
+              "Model.hidden_dropout_prob=0", "-o", "Model.attention_probs_dropout_prob=0", "-o",
+              "Engine.save_load.save_steps=-1", "-o", "Engine.logging_freq=50", "--no-progress"]
+    epochs = os.environ.get("GPTFORGE_E2E_SFT_EPOCHS", "8")
+    code, out, err = run_cli("sft", "--ckpt", pre, "--data", files["train"], "--out", tmp_path / "sft", "-o",
+                             f"Instruct.epochs={epochs}", "-o", "Optimizer.lr.max_lr=2e-3", "-o",
+                             "Optimizer.lr.min_lr=1e-4", *common)
+    assert code == 0, err
+    tuned = sorted((tmp_path / "sft").glob("step_*"))[-1]
+    test = [json.loads(line)["messages"] for line in files["test"].read_text().splitlines()]
+    got = greedy_answers(tuned, [m[0]["content"] for m in test])
+    score = score_answers(got["answers"], got["finished"], [m[1]["content"] for m in test])
+
+    code, out, err = run_cli("dpo", "--ckpt", pre, "--data", files["pref_train"], "--eval-data", files["pref_test"],
+                             "--out", tmp_path / "dpo", "-o", "Instruct.max_steps=250", "-o", "Instruct.beta=0.1",
+                             "-o", "Optimizer.lr.max_lr=1e-3", *common)
+    assert code == 0, err
+    pref = json.loads((tmp_path / "dpo" / "dpo_results.json").read_text())
+    print(json.dumps({"sft": score, "dpo": pref}), flush=True)
+    assert score["ended_with_eos"] >= 0.99, score
+    assert score["exact_match"] >= 0.90, score
+    assert 0.3 <= pref["before"]["accuracy"] <= 0.7 and pref["after"]["accuracy"] >= 0.90, pref
