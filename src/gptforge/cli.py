@@ -33,6 +33,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "quantize": ("gptforge.commands.quantize", "convert a QAT/PTQ model into a real INT8 model"),
     "analyze": ("gptforge.commands.analyze", "per-layer quantization sensitivity analysis"),
     "prune": ("gptforge.commands.prune", "structured pruning (heads, FFN neurons) + fine-tuning; 2:4 sparsity"),
+    "merge": ("gptforge.commands.merge", "merge a LoRA/DoRA adapter into its base model (model or HF directory)"),
     "export": ("gptforge.commands.export", "export to an HF directory, ONNX (fp32/INT8) or torch.export"),
     "infer": ("gptforge.commands.infer", "generate text with an exported ONNX model (onnxruntime)"),
     "serve": ("gptforge.commands.serve", "OpenAI-compatible HTTP server with continuous batching"),

@@ -3,6 +3,7 @@
     gptforge export --format hf --ckpt DIR --out hf/ [--max-shard-size 500MB]
     gptforge export --format onnx --ckpt DIR --out onnx/                 # fp32, or INT8 QDQ from a QAT/PTQ/INT8 model
     gptforge export --format torch --ckpt DIR --out pt2/
+    gptforge export --format hf --ckpt BASE --adapter LORA_DIR --out hf/  # the adapter merged (docs/lora.md)
     gptforge infer --onnx onnx/ --prompt "Hello"
 
 ONNX and torch exports are checked against the PyTorch model before anything is written
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="hf: split model.safetensors into shards of at most SIZE (e.g. 500MB; default 5GB)")
     p.add_argument("--no-check", action="store_true", help="onnx/torch: skip the check against the PyTorch model")
+    p.add_argument("--adapter", dest="merge_adapter", metavar="DIR",
+                   help="a LoRA/DoRA adapter directory (PEFT format) to merge into the model before exporting "
+                        "(as `gptforge merge`)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
 
 
@@ -83,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
         parse_size(args.max_shard_size)
     ckpt = resolve_checkpoint_path(args.ckpt)  # a missing checkpoint is reported before anything else loads
+    if args.merge_adapter:
+        from gptforge.adapters.peft_format import adapter_digest
+
+        adapter_digest(args.merge_adapter)  # so is a missing or broken adapter
     from gptforge.finetune.classifier import is_classifier_dir
     from gptforge.run_lock import lock_output
 
@@ -92,8 +100,15 @@ def run(args: argparse.Namespace) -> int:
             check_export_extra()
         cfg = config_from_args(args)
         if is_classifier_dir(ckpt):
+            if args.merge_adapter:
+                raise UsageError("--adapter applies to language models; this checkpoint is a classifier")
             return _classifier(ckpt, cfg, args)
         model, cfg, tok = load_model_and_tokenizer(args, cfg, device="cpu")
+        args.merge_info = None
+        if args.merge_adapter:
+            from gptforge.commands.merge import merge_into
+
+            args.merge_info = merge_into(model, ckpt, args.merge_adapter)
         # ensure_out_dir accepted --out (absent, empty or --force): the export replaces it atomically.
         if args.format == "hf":
             return _hf(model, cfg, tok, args)
@@ -109,6 +124,11 @@ def _hf(model, cfg, tok, args) -> int:
                     max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, overwrite=True)
     shards = [f for f in r.files if f.endswith(".safetensors")]
     notes = []
+    if args.merge_info is not None:
+        from gptforge.commands.merge import describe, record_hf
+
+        record_hf(args.out, args.merge_info.records)
+        notes.append(describe(args.merge_info))
     if r.source_kind != "float":
         notes.append(f"{r.source_kind} model: weights folded to float, activations float")
     if r.zero_padded:

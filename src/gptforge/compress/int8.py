@@ -142,14 +142,10 @@ class Int8Linear(_Int8Weights):
             raise ConfigError(f"Compress.Quantization: activation_bits {mod.act_bits} / weight_bits "
                               f"{mod.weight_bits}: an INT8 model needs both <= 8")
         w = mod.weight.detach().float()
-        step = weight_step(w, mod.weight_bits, mod.channel_wise)
-        ints = torch.round(fake_quant_weight(w, mod.weight_bits, mod.channel_wise) /
-                           (step[:, None] if mod.channel_wise else step))
         out = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, channel_wise=mod.channel_wise,
                   static_act=mod.act_type == "moving_average_abs_max", pact=mod.pact_alpha is not None,
                   act_bits=mod.act_bits, weight_bits=mod.weight_bits, device=w.device)
-        out.weight.copy_(ints.to(torch.int8))
-        out.weight_scale.copy_(step.reshape(-1))
+        out.quantize_weight_(w)
         if mod.bias is not None:
             out.bias.copy_(mod.bias.detach().float())
         if out.input_scale is not None:
@@ -160,6 +156,17 @@ class Int8Linear(_Int8Weights):
                 raise ConfigError(f"PACT alpha of this layer is {alpha}; an INT8 model needs alpha > 0")
             out.pact_alpha.fill_(alpha)
         return out
+
+    @torch.no_grad()
+    def quantize_weight_(self, w: torch.Tensor) -> None:
+        """Store float weights `w` [out, in] as integers + steps (abs-max per channel or tensor),
+        exactly as the fake-quant layer rounds them. Also re-quantizes a merged LoRA delta."""
+        w = w.detach().float()
+        step = weight_step(w, self.weight_bits, self.channel_wise)
+        ints = torch.round(fake_quant_weight(w, self.weight_bits, self.channel_wise) /
+                           (step[:, None] if self.channel_wise else step))
+        self.weight.copy_(ints.to(torch.int8))
+        self.weight_scale.copy_(step.reshape(-1))
 
     def _scalars(self) -> tuple[float, float]:
         """(static step or nan, PACT alpha or inf) as Python floats, re-read when a buffer changes."""

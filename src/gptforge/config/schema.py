@@ -368,6 +368,20 @@ class TuningConfig:  # auto-parallel recompute tuner: accepted, no effect (recom
 
 
 @dataclass
+class LoraConfig:
+    """LoRA / DoRA adapters (docs/lora.md); nested by the fine-tuning verbs, read by gptforge.adapters."""
+
+    r: int = 8  # rank of every adapter
+    alpha: float = 16.0  # scaling = alpha / r (alpha / sqrt(r) with rslora)
+    dropout: float = 0.0  # dropout on the adapter's input (training only)
+    rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r) (peft use_rslora)
+    dora: bool = False  # weight-decomposed LoRA: a trained magnitude per output row (peft use_dora)
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v"])  # q | k | v | qkv | out_proj | linear1 | linear2 | head | all (= every block Linear)
+    layers: list[int] | None = None  # block indices to adapt (blank: every block)
+    init: str = "kaiming"  # kaiming (A kaiming-uniform, B zeros: peft's default) | gaussian (A ~ N(0, 1/r), B zeros)
+
+
+@dataclass
 class FusedPassesConfig:  # auto-parallel static-graph fusion passes: accepted, no effect
     enable: bool = False
     fused_passes_list: list[str] = field(default_factory=list)
