@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from gptforge.data.synthetic_instructions import messages, score_answers, write_set
 
@@ -57,6 +58,32 @@ def test_sft_verb_trains_saves_the_template_and_resumes(tmp_path, run_cli):
     # a longer run resumes from step 4 and ends as an uninterrupted one would
     code, out, err = run_cli(*args, "-o", "Instruct.max_steps=6", "--resume", "auto")
     assert code == 0 and "step 6" in out, err
+
+
+def test_sft_and_dpo_with_lora_write_peft_adapters(tmp_path, run_cli):
+    from safetensors.torch import load_file
+
+    from gf_testutil import spread_gpt2_vocab_dir
+
+    base = spread_gpt2_vocab_dir(tmp_path / "base")
+    files = write_set(tmp_path / "data", n_train=24, n_test=8)
+    common = ["-o", "Global.global_batch_size=4", "-o", "Data.Train.dataset.max_seq_len=48", "-o",
+              "Instruct.max_steps=2", "-o", "Instruct.lora.targets=all", "-o", "Instruct.lora.r=4", "--method", "lora",
+              "-o", "Optimizer.lr.max_lr=1e-2", "--no-progress"]
+    for verb, data in (("sft", files["train"]), ("dpo", files["pref_train"])):
+        code, out, err = run_cli(verb, "--ckpt", base, "--data", data, "--out", tmp_path / verb, *common)
+        assert code == 0, err
+        adapter = tmp_path / verb / "adapter"
+        assert f"adapter {adapter}" in out and "trainable" in out
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        assert cfg["r"] == 4 and {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"} <= set(cfg["target_modules"])
+        tensors = load_file(str(adapter / "adapter_model.safetensors"))
+        assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in tensors.items())
+        assert "chat_template" in json.loads((adapter / "tokenizer_config.json").read_text())
+        # the base stays frozen: its weights in the step checkpoint are the starting ones
+        step = load_file(str(tmp_path / verb / "step_2" / "model.safetensors"))
+        start = load_file(str(base / "model.safetensors"))
+        assert torch.equal(step["blocks.0.linear1.base.weight"], start["blocks.0.linear1.weight"])
 
 
 def test_sft_errors_are_one_line(tmp_path, run_cli):

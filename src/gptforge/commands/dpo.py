@@ -34,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
         b, a = report["before"], report["after"]
         print(f"gptforge dpo: held-out preference accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
               f"(reward accuracy {a['reward_accuracy']:.3f}, margin {a['margin']:.3f}) over {a['pairs']} pairs")
-    print(f"gptforge dpo: done at step {res.step}; model {res.checkpoint_dir}")
+    adapter = f"; adapter {res.metrics['adapter']}" if "adapter" in res.metrics else ""
+    print(f"gptforge dpo: done at step {res.step}; model {res.checkpoint_dir}{adapter}")
     return 0

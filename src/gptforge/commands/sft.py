@@ -62,5 +62,6 @@ def run(args: argparse.Namespace) -> int:
     res = sft(cfg, args.ckpt, resume=args.resume, progress=False if args.no_progress else None,
               overwrite=args.force)
     ev = f"; validation loss {res.eval_losses[-1][1]:.4f}" if res.eval_losses else ""
-    print(f"gptforge sft: done at step {res.step}{ev}; model {res.checkpoint_dir}")
+    adapter = f"; adapter {res.metrics['adapter']}" if "adapter" in res.metrics else ""
+    print(f"gptforge sft: done at step {res.step}{ev}; model {res.checkpoint_dir}{adapter}")
     return 0

@@ -398,7 +398,8 @@ class InstructConfig:  # gptforge sft / gptforge dpo (docs/sft.md)
     packing: bool = True  # several examples per row (block-diagonal attention, positions restart); sft only
     epochs: int = 1  # passes over train_data (sets Engine.max_steps and the lr decay)
     max_steps: int | None = None  # optimizer steps instead of epochs
-    method: str = "full"  # full (every weight) | lora (adapters; needs the LoRA library)
+    method: str = "full"  # full (every weight) | lora (adapters from Instruct.lora; the run also writes OUT/adapter in PEFT's format)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # method lora: rank, alpha, dropout, rslora, dora, targets, layers
     beta: float = 0.1  # dpo: strength of the KL tie to the reference model
     label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (conservative DPO), in [0, 0.5)
 

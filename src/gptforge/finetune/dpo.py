@@ -29,7 +29,16 @@ from gptforge.data.chat_template import Encoded
 from gptforge.data.instructions import Record
 from gptforge.data.packing import IGNORE, encode_plain
 from gptforge.errors import DataError
-from gptforge.finetune.sft import Base, check_instruct, load_base, plan_steps, records, row_length
+from gptforge.finetune.sft import (
+    Base,
+    apply_method,
+    check_instruct,
+    load_base,
+    plan_steps,
+    records,
+    row_length,
+    save_outputs,
+)
 from gptforge.train.trainer import Trainer, TrainResult
 
 SIDES = ("chosen", "rejected")
@@ -194,10 +203,14 @@ def dpo(cfg: Config, pretrained: str | os.PathLike | None = None, *, resume=None
         print(f"gptforge dpo: {len(train)} pairs ({train.dropped} too long dropped), {cfg.Engine.max_steps} steps, "
               f"beta {ins.beta}, label smoothing {ins.label_smoothing}; reference log-probs computed once",
               flush=True)
+    apply_method(cfg, base, echo)  # after the reference: LoRA's reference is the base, adapters off
     trainer = DPOTrainer(cfg, base.model, base.tokenizer, datasets={"Train": train, **({"Eval": evals} if evals else {})},
                          resume=resume, progress=progress, echo=echo, overwrite=overwrite, verb="dpo")
     trainer.ref, trainer.beta, trainer.label_smoothing, trainer._window = ref, ins.beta, ins.label_smoothing, {}
     result = trainer.train()
+    adapter = save_outputs(cfg, base, trainer)
+    if adapter is not None:
+        result.metrics["adapter"] = str(adapter)
     if evals is not None:
         report["after"] = preference_accuracy(trainer.model, evals, ref, ins.beta, bs, trainer.device)
     return result, report

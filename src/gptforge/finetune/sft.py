@@ -45,9 +45,6 @@ def check_instruct(cfg: Config) -> None:
     ins = cfg.Instruct
     if ins.method not in METHODS:
         raise ConfigError(f"Instruct.method: {ins.method!r} is not one of {', '.join(METHODS)}")
-    if ins.method == "lora":
-        raise ConfigError("Instruct.method: lora needs gptforge's LoRA library, which this build does not have "
-                          "yet; use full")
     if ins.epochs < 1:
         raise ConfigError(f"Instruct.epochs: {ins.epochs} must be >= 1")
     if ins.max_steps is not None and ins.max_steps < 1:
@@ -125,6 +122,28 @@ def plan_steps(cfg: Config, train_rows: int, eval_rows: int) -> int:
     return steps
 
 
+def apply_method(cfg: Config, base: Base, echo: bool) -> None:
+    """`Instruct.method: lora`: adapters on the base (frozen) from `Instruct.lora`; `full`: nothing."""
+    if cfg.Instruct.method != "lora":
+        return
+    from gptforge.adapters import apply_lora, describe
+
+    apply_lora(base.model, cfg.Instruct.lora, key="Instruct.lora")
+    if echo:
+        print(f"gptforge {cfg.Instruct.method}: {describe(base.model)}", flush=True)
+
+
+def save_outputs(cfg: Config, base: Base, trainer: Trainer) -> Path | None:
+    """After a LoRA run: OUT/adapter, a PEFT adapter directory (+ the tokenizer and its template)."""
+    if cfg.Instruct.method != "lora":
+        return None
+    from gptforge.adapters.peft_format import save_adapter
+
+    out = save_adapter(trainer.model, trainer.output_dir / "adapter", base_model=str(base.path), overwrite=True)
+    base.tokenizer.save(out)
+    return out
+
+
 class SFTTrainer(Trainer):
     """The pretraining loop with packed rows: each example attends only to itself."""
 
@@ -174,8 +193,13 @@ def sft(cfg: Config, pretrained: str | os.PathLike | None = None, *, resume=None
               f"{cfg.Data.Train.dataset.max_seq_len} tokens ({d.fill:.0%} filled, packing "
               f"{'on' if cfg.Instruct.packing else 'off'}), {cfg.Engine.max_steps} steps, template "
               f"{base.template.origin}", flush=True)
+    apply_method(cfg, base, echo)
     datasets = {"Train": data.train, **({"Eval": data.eval} if data.eval is not None else {})}
     trainer = SFTTrainer(cfg, base.model, base.tokenizer, datasets=datasets, resume=resume, progress=progress,
                          echo=echo, overwrite=overwrite, verb="sft")
-    return trainer.train()
+    result = trainer.train()
+    adapter = save_outputs(cfg, base, trainer)
+    if adapter is not None:
+        result.metrics["adapter"] = str(adapter)
+    return result
 
