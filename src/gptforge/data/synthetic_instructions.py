@@ -32,27 +32,35 @@ def _spaced(chars) -> str:
     return " ".join(chars)
 
 
+def _distinct(pool: str, rng: random.Random) -> list[str]:
+    """3 to 6 characters from `pool`, not all the same (so a wrong order always exists)."""
+    while True:
+        out = [rng.choice(pool) for _ in range(rng.randint(3, 6))]
+        if len(set(out)) > 1:
+            return out
+
+
+def _other_order(chars: list[str], right: list[str], rng: random.Random) -> list[str]:
+    out = chars[:]
+    while out == right:
+        rng.shuffle(out)
+    return out
+
+
 def _instance(task: str, rng: random.Random) -> tuple[str, str, str]:
     """(prompt, right answer, a wrong answer of the same shape)."""
     if task == "reverse":
-        w = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
-        wrong = w[:]
-        while wrong == w[::-1]:
-            rng.shuffle(wrong)
-        return f"Reverse: {_spaced(w)}", _spaced(w[::-1]), _spaced(wrong)
+        w = _distinct(LETTERS, rng)
+        return f"Reverse: {_spaced(w)}", _spaced(w[::-1]), _spaced(_other_order(w, w[::-1], rng))
     if task == "sort":
-        d = [rng.choice("0123456789") for _ in range(rng.randint(3, 6))]
-        while d == sorted(d):
-            rng.shuffle(d)
-        wrong = d[:]
-        while wrong == sorted(d):
-            rng.shuffle(wrong)
-        return f"Sort: {_spaced(d)}", _spaced(sorted(d)), _spaced(wrong)
+        d = _other_order(_distinct("0123456789", rng), [], rng)
+        d = _other_order(d, sorted(d), rng)  # the prompt is never already sorted
+        return f"Sort: {_spaced(d)}", _spaced(sorted(d)), _spaced(_other_order(d, sorted(d), rng))
     if task == "add":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         wrong = rng.choice([s for s in range(19) if s != a + b])
         return f"Add: {a} + {b}", str(a + b), str(wrong)
-    w = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+    w = _distinct(LETTERS, rng)
     return f"List with commas: {_spaced(w)}", ", ".join(w), " ; ".join(w)
 
 
