@@ -195,10 +195,11 @@ def dpo(cfg: Config, pretrained: str | os.PathLike | None = None, *, resume=None
         raise DataError(f"Instruct.train_data: every pair is longer than Data.Train.dataset.max_seq_len {n} tokens")
     plan_steps(cfg, len(train), len(evals) if evals is not None else 0)
     bs = cfg.Global.micro_batch_size or 8
-    ref = reference_logps(base.model, [train] + ([evals] if evals is not None else []), bs, "cpu")
+    device = base.model.wte.weight.device
+    ref = reference_logps(base.model, [train] + ([evals] if evals is not None else []), bs, device)
     report = {}
     if evals is not None:
-        report["before"] = preference_accuracy(base.model, evals, ref, ins.beta, bs)
+        report["before"] = preference_accuracy(base.model, evals, ref, ins.beta, bs, device)
     if echo:
         print(f"gptforge dpo: {len(train)} pairs ({train.dropped} too long dropped), {cfg.Engine.max_steps} steps, "
               f"beta {ins.beta}, label smoothing {ins.label_smoothing}; reference log-probs computed once",

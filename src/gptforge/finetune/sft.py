@@ -66,6 +66,10 @@ def load_base(cfg: Config, pretrained: str | os.PathLike | None, device=None) ->
     p = resolve_checkpoint_path(spec)
     if ((read_checkpoint_config(p).get("Compress") or {}).get("Quantization") or {}).get("converted"):
         raise CheckpointError(f"{p}: a converted INT8 model cannot be fully fine-tuned; tune the float or QAT model")
+    if device is None:
+        from gptforge.device import select_device
+
+        device = select_device(cfg.Global.device)
     model, cfg = load_model(p, cfg, device=device)
     tok = load_tokenizer(cfg.Data.tokenizer, p if p.is_dir() else None)
     if tok.vocab_size > model.wte.weight.shape[0]:
