@@ -25,6 +25,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "tokenizer": ("gptforge.commands.tokenizer", "train or inspect a byte-level BPE tokenizer"),
     "pretrain": ("gptforge.commands.pretrain", "pretrain or continue training a GPT model"),
     "finetune": ("gptforge.commands.finetune", "fine-tune for GLUE sequence classification (local TSV files)"),
+    "sft": ("gptforge.commands.sft", "instruction-tune on chat / instruction data (templates, packing)"),
+    "dpo": ("gptforge.commands.dpo", "preference-tune with DPO on prompt/chosen/rejected pairs"),
     "generate": ("gptforge.commands.generate", "generate text (sampling, greedy, beam search)"),
     "eval": ("gptforge.commands.eval", "LAMBADA cloze accuracy, WikiText perplexity, lm-eval tasks"),
     "ptq": ("gptforge.commands.ptq", "post-training INT8 quantization (calibrate scales, no training)"),

@@ -388,6 +388,23 @@ class FusedPassesConfig:  # auto-parallel static-graph fusion passes: accepted, 
 
 
 @dataclass
+class InstructConfig:  # gptforge sft / gptforge dpo (docs/sft.md)
+    train_data: list[str] = field(default_factory=list)  # JSON / JSONL files: alpaca, messages, sharegpt, prompt/completion (sft); prompt/chosen/rejected (dpo)
+    eval_data: list[str] = field(default_factory=list)  # validation files (else eval_fraction of train_data)
+    eval_fraction: float = 0.0  # fraction of train_data held out for validation when eval_data is empty
+    format: str = "auto"  # auto (by each record's keys) | alpaca | messages | sharegpt | prompt_completion | preference
+    chat_template: str | None = None  # a .jinja file or a tokenizer_config.json (default: the model's own, else gptforge's)
+    train_on_inputs: bool = False  # learn every token, not only the assistant turns / completion (+ EOS)
+    packing: bool = True  # several examples per row (block-diagonal attention, positions restart); sft only
+    epochs: int = 1  # passes over train_data (sets Engine.max_steps and the lr decay)
+    max_steps: int | None = None  # optimizer steps instead of epochs
+    method: str = "full"  # full (every weight) | lora (adapters from Instruct.lora; the run also writes OUT/adapter in PEFT's format)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # method lora: rank, alpha, dropout, rslora, dora, targets, layers
+    beta: float = 0.1  # dpo: strength of the KL tie to the reference model
+    label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (conservative DPO), in [0, 0.5)
+
+
+@dataclass
 class Config:
     """The whole resolved configuration. Attribute names are the YAML section names."""
 
@@ -404,6 +421,7 @@ class Config:
     Profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     Tuning: TuningConfig = field(default_factory=TuningConfig)
     FusedPasses: FusedPassesConfig = field(default_factory=FusedPassesConfig)
+    Instruct: InstructConfig = field(default_factory=InstructConfig)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict

@@ -49,6 +49,17 @@ class Tokenizer:
             raise DataError(f"tokenizer {name!r} has no {EOS_TOKEN} token")
         self.eos_token_id = int(eos)
         self._fingerprint: str | None = None
+        # A Jinja chat template (data/chat_template.py) travels with the tokenizer, as in HF's
+        # tokenizer_config.json, so every model directory and export written with it keeps it.
+        self.chat_template: str | None = None
+
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """A copy of this tokenizer (same backend) that carries `template`."""
+        import copy
+
+        tok = copy.copy(self)
+        tok.chat_template = template
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -94,11 +105,14 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
             if disk_full_errno(e) is not None:
                 raise
-        (out / "tokenizer_config.json").write_text(json.dumps({
+        config = {
             "tokenizer_class": "GPT2Tokenizer",
             "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN,
             "add_prefix_space": False, "model_max_length": 1024,
-        }, indent=2))
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         (out / "special_tokens_map.json").write_text(json.dumps(
             {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN}, indent=2))
 
@@ -156,7 +170,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     return Tokenizer(backend, f"bpe-{backend.get_vocab_size()}")
 
 
+def _chat_template_of(d: Path) -> str | None:
+    """The `chat_template` string of a directory's tokenizer_config.json, if it has one."""
+    try:
+        value = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def _from_path(p: Path) -> Tokenizer | None:
+    tok = _from_files(p)
+    if tok is not None:
+        tok.chat_template = _chat_template_of(p if p.is_dir() else p.parent)
+    return tok
+
+
+def _from_files(p: Path) -> Tokenizer | None:
     from tokenizers import Tokenizer as Backend
 
     if p.is_file() and p.suffix == ".json":
@@ -166,7 +196,7 @@ def _from_path(p: Path) -> Tokenizer | None:
             raise DataError(f"{p}: not a tokenizers JSON file ({e})") from None
     if p.is_dir():
         if (p / TOKENIZER_FILE).is_file():
-            return _from_path(p / TOKENIZER_FILE)
+            return _from_files(p / TOKENIZER_FILE)
         if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
             return _from_vocab_merges(p / "vocab.json", p / "merges.txt", str(p))
     return None

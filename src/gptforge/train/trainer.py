@@ -474,7 +474,8 @@ class Trainer:
                         "loss": mean_loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                         "found_inf": window_inf, "loss_scale": stats["loss_scale"], "step_time": cost,
                         "tokens_per_s": tps, "mfu": mfu, "consumed_samples": self.step * self.gbs,
-                        **(self.moe_window.values() if self.moe_window is not None else {})})
+                        **(self.moe_window.values() if self.moe_window is not None else {}),
+                        **self._extra_line(log, "train")})
                     if self.moe_window is not None:
                         log.info(self.moe_window.line())
                         self.moe_window.reset()
@@ -487,7 +488,7 @@ class Trainer:
                     eval_losses.append((self.step, eval_loss))
                     log.info(eval_line(0, self.eval_batches_done, eval_total, eval_loss, cost))
                     log.record("eval", self.step, {"loss": eval_loss, "ppl": math.exp(min(eval_loss, 50.0)),
-                                                   "eval_time": cost * e.eval_iters})
+                                                   "eval_time": cost * e.eval_iters, **self._extra_line(log, "eval")})
                     t_window += time.perf_counter() - t0  # eval time is not train time
                 out_of_time = self._out_of_time(t_start)
                 saved = (save_steps and self.step % save_steps == 0) or self.step == self.max_steps or out_of_time
@@ -528,6 +529,16 @@ class Trainer:
         log.close()
         return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
                            output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
+
+    def extra_metrics(self, kind: str) -> dict:
+        """Metrics a subclass's loss gathered since the last "train" or "eval" record (DPO's rewards)."""
+        return {}
+
+    def _extra_line(self, log: RunLogger, kind: str) -> dict:
+        extra = self.extra_metrics(kind)
+        if extra:
+            log.info(f"[{kind}] " + ", ".join(f"{k}: {v:.6g}" for k, v in extra.items()))
+        return extra
 
     def _refit(self, fit: TimeFit, elapsed: float, log) -> None:
         """`Engine.fit_to_max_time`: the run's length and lr decay from the measured rate (rank 0's)."""
