@@ -160,7 +160,7 @@ def main() -> int:
         print("llama-cpp-python is not installed: pip install 'gptforge[llama]'")
         return 2
     torch.set_num_threads(args.threads)
-    from gptforge.compress.cpu_kernels import describe
+    from gptforge.transforms.cpu_kernels import describe
 
     load0 = os.getloadavg()
     print(f"machine: {cpu_name()}; {describe(onnxruntime=False)}; torch {torch.__version__}; llama-cpp-python "
