@@ -1,0 +1,176 @@
+"""`EngineCore`: one step of continuous batching = schedule → (propose) → run → sample / verify →
+output. Synchronous and single-threaded: offline clients (`generate`, `stream`, the lm-eval
+adapter) call `run()` until their requests finish; `EngineService` runs it on a thread for
+`serve`.
+
+A failure while sampling or verifying one sequence ends only that sequence (a `FinishEvent`
+with reason `error`); the step's other rows go on. A failure of the model step itself ends the
+sequences that were in it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from gptforge.generate.engine.output import OutputProcessor
+from gptforge.generate.engine.runner import Work, run_step
+from gptforge.generate.engine.sampler import Sampler
+from gptforge.generate.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from gptforge.generate.engine.sequence import Request, Sequence
+from gptforge.generate.engine.spec import SpecStats, Speculator
+from gptforge.generate.processors import LogitsProcessor
+
+
+class EngineCore:
+    """Continuous batching over `slots` (`generate.slots.slots_for(backend)`), optionally with a
+    draft's `draft_slots` for speculative decoding."""
+
+    def __init__(self, slots, *, eos_token_ids: Seq[int], vocab_limit: int | None, max_positions: int,
+                 tokenizer=None, scheduler: SchedulerConfig | None = None, metrics=None,
+                 processors: Seq[LogitsProcessor] = (), draft_slots=None, num_draft_tokens="5",
+                 draft_max_positions: int | None = None):
+        self.slots = slots
+        self.max_positions = max_positions
+        self.metrics = metrics
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), max_positions)
+        self.sampler = Sampler(eos_token_ids, vocab_limit, slots.device, processors)
+        self.output = OutputProcessor(tokenizer, eos_token_ids, metrics)
+        self.spec: Speculator | None = None
+        if draft_slots is not None:
+            if not (getattr(slots, "ragged", False) or hasattr(slots.backend, "step_all")):
+                raise ValueError("speculative decoding needs target slots that return the logits of every position")
+            self.spec = Speculator(draft_slots, num_draft_tokens, self.sampler, slots.backend.vocab_size,
+                                   slots.device, draft_max_positions or max_positions, metrics)
+        self.steps = 0
+        self.isolate = True  # False (offline clients): a failure propagates to the caller
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add(self, req: Request, bounded: bool = True) -> list[Sequence]:
+        """Queue a request's sequences (`QueueFull` past the bound when `bounded`)."""
+        seqs = [Sequence(req, i * req.n + j, prompt) for i, prompt in enumerate(req.prompts) for j in range(req.n)]
+        self.scheduler.add(seqs, bounded)
+        return seqs
+
+    def abort(self, seqs: Seq[Sequence], reason: str = "abort", error: str | None = None) -> None:
+        for s in seqs:
+            s.req.cancelled = s.req.cancelled or reason == "abort"
+            self.output.finish(s, reason, "", error)
+            self.scheduler.release(s)
+
+    @property
+    def stats(self) -> SpecStats | None:
+        return self.spec.stats if self.spec is not None else None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Drop cancelled sequences, admit waiting ones, plan the step (cheap; no model work)."""
+        sch = self.scheduler
+        sch.drop_cancelled()
+        sch.admit(self._admit)
+        return sch.plan()
+
+    def _admit(self, s: Sequence) -> None:
+        s.slot = self.slots.new_slot(s.need)
+        self.sampler.setup(s)
+        self.output.start(s)
+        if self.spec is not None:
+            self.spec.admit(s)
+
+    def step(self, plan: StepPlan | None = None) -> None:
+        """Run one model step (of `plan`, else a fresh one) and emit its tokens."""
+        plan = self.schedule() if plan is None else plan
+        if not plan:
+            return
+        in_step = plan.decode + [s for s, _, _ in plan.prefill]
+        try:
+            props = self.spec.propose(plan.decode, plan.prefill) if self.spec is not None else {}
+            works = [self._decode_work(s, props.get(s)) for s in plan.decode]
+            works += [Work(s, s.prompt[a:b], a, not s.chunks and b == len(s.prompt)) for s, a, b in plan.prefill]
+            outs = run_step(self.slots, works)
+        except Exception as e:  # noqa: BLE001 - a failed step ends its sequences, not the engine
+            if not self.isolate:
+                raise
+            self.abort(list(dict.fromkeys(in_step)), "error", f"{type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        plain = [(w.seq, o) for w, o in zip(works, outs, strict=True) if o is not None and w.seq not in props]
+        spec = [(w.seq, o, props[w.seq]) for w, o in zip(works, outs, strict=True) if w.seq in props]
+        self._emit(plain, now, verify=False)
+        self._emit(spec, now, verify=True)
+        for s in [s for s in self.scheduler.running if s.done]:
+            self.scheduler.release(s)
+            if not s.req.open:
+                self.sampler.forget(s.params)
+
+    def _decode_work(self, s: Sequence, prop) -> Work:
+        last = len(s.prompt) + len(s.generated) - 1
+        if prop is None:
+            return Work(s, [s.generated[-1]], last, True)
+        return Work(s, [s.generated[-1]] + prop.tokens, last, True, all_logits=True)
+
+    def _isolated(self, compute, items: list) -> list:
+        """`compute(items)` (one result per item); if it fails, again one item at a time: an item
+        that fails alone ends its sequence with an error and gets None."""
+        try:
+            return compute(items)
+        except Exception:  # noqa: BLE001 - find the sequence(s) at fault below
+            if not self.isolate:
+                raise
+        out = []
+        for item in items:
+            try:
+                out.append(compute([item])[0])
+            except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
+                self._fail(item[0], e)
+                out.append(None)
+        return out
+
+    def _fail(self, s: Sequence, e: Exception) -> None:
+        self.output.finish(s, "error", "", f"{type(e).__name__}: {e}")
+
+    def _choose(self, items: list) -> list:
+        rows = [(s, ()) for s, _ in items]
+        scored = self.sampler.score(rows, torch.stack([o for _, o in items]))
+        logp = scored.logprobs()
+        return [([tok], logp[r:r + 1]) for r, tok in enumerate(self.sampler.choose(rows, scored))]
+
+    def _emit(self, items: list, now: float, verify: bool) -> None:
+        """Choose (or verify) the tokens of `items`, then record them sequence by sequence."""
+        items = [x for x in items if not x[0].done]
+        if not items:
+            return
+        results = self._isolated(self.spec.verify if verify else self._choose, items)
+        for item, res in zip(items, results, strict=True):
+            s = item[0]
+            if res is None or s.done:
+                continue
+            try:
+                for tok, lp in zip(res[0], res[1], strict=False):
+                    if self.output.record(s, tok, lp, now):
+                        break  # tokens after a stop are dropped
+                if verify and not s.done:
+                    self.spec.rollback(s)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
+                if not self.isolate:
+                    raise
+                self._fail(s, e)
+
+    # -- offline --------------------------------------------------------------------------------
+
+    def run(self, requests: Seq[Request] = ()) -> None:
+        """Add `requests` (unbounded) and step until nothing is left."""
+        for r in requests:
+            self.add(r, bounded=False)
+        with torch.inference_mode():
+            while self.has_work:
+                self.step()
