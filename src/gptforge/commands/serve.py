@@ -28,8 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory name)")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("GPTFORGE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GPTFORGE_API_KEY, else none)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every path but /health (default: "
+                        "$GPTFORGE_API_KEY, else none; an empty key is refused)")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
+                   help="larger request bodies get 413 (default 8388608 = 8 MiB)")
+    p.add_argument("--request-timeout", type=float, metavar="S",
+                   help="seconds a request may take from arrival, queueing included; past them it is "
+                        "cancelled and answered 504 (default: no limit)")
     p.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="sequences decoded together (default 16)")
     p.add_argument("--max-tokens-in-flight", type=int, metavar="N",
                    help="KV positions (prompt + max_tokens) reserved by running sequences at most "
@@ -65,6 +72,25 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--prefill-tokens: must be a multiple of 32 (the prompt chunk), got {args.prefill_tokens}")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout: must be >= 0, got {args.drain_timeout}")
+    if args.max_body_bytes < 1024:
+        raise UsageError(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        raise UsageError(f"--request-timeout: must be a number of seconds > 0, got {args.request_timeout}")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """`--api-key`, else $GPTFORGE_API_KEY, else None; set but empty is an error (an unset
+    shell variable must not turn authentication off)."""
+    if args.api_key is not None:
+        source, key = "--api-key", args.api_key
+    elif "GPTFORGE_API_KEY" in os.environ:
+        source, key = "GPTFORGE_API_KEY", os.environ["GPTFORGE_API_KEY"]
+    else:
+        return None
+    if not key.strip():
+        raise UsageError(f"{source} is empty (an unset variable?); give the key clients must send, or leave "
+                         f"{source} out to serve without one")
+    return key
 
 
 def load_served_model(args: argparse.Namespace):
@@ -105,18 +131,25 @@ def load_served_draft(args: argparse.Namespace, model, cfg, tok):
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    key = api_key(args)
     check_serve_extra()
     from gptforge.serve.server import DrainingServer, ServeOptions, build_state
 
     name = args.model_name or Path(args.ckpt).resolve().name
     model, cfg, tok = load_served_model(args)
     draft = load_served_draft(args, model, cfg, tok)
-    opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+    opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=key,
                         max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight,
                         max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
-                        drain_timeout=args.drain_timeout, chat_template=args.chat_template)
+                        drain_timeout=args.drain_timeout, chat_template=args.chat_template,
+                        public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
+                        request_timeout=args.request_timeout)
     state = build_state(model, tok, cfg.Generation, opts, draft=draft)
-    server = DrainingServer(state, opts, log_level=args.log_level)
-    print(f"gptforge serve: {name} ({args.backend}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+
+    def announce(port: int) -> None:  # once bound: the real port, also for --port 0
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"gptforge serve: {name} ({args.backend}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+
+    server = DrainingServer(state, opts, log_level=args.log_level, on_started=announce)
     server.run()
     return 0

@@ -8,6 +8,7 @@ import os
 import typing
 from typing import Any
 
+from gptforge.config.sampling import check_sampling
 from gptforge.config.schema import Config, DatasetConfig, ModelConfig
 from gptforge.config.typed import suggest_key
 from gptforge.errors import ConfigError
@@ -356,6 +357,7 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"Engine.mix_precision.level: must be O1 or O2, got {mp.level!r}")
 
     resolve_finetune_keys(cfg)
+    check_sampling(cfg.Generation)
     lr = cfg.Optimizer.lr
     if lr.decay_steps is None or lr.decay_steps <= 0:
         lr.decay_steps = None if e.max_steps < 0 else max(1, e.max_steps)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptforge.config.sampling import check_sampling
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
 from gptforge.generate.backend import as_backend
@@ -57,15 +58,10 @@ def check_config(cfg: GenerationConfig) -> None:
         raise bad("max_dec_len", f"must be >= 1, got {cfg.max_dec_len}")
     if cfg.min_dec_len < 0:
         raise bad("min_dec_len", f"must be >= 0, got {cfg.min_dec_len}")
-    if cfg.top_k < 0:
-        raise bad("top_k", f"must be >= 0 (0 = off), got {cfg.top_k}")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise bad("top_p", f"must be in (0, 1] (1.0 = off), got {cfg.top_p}")
-    if s == "sampling" and cfg.temperature <= 0:
+    if s == "sampling" and cfg.temperature == 0:
         raise bad("temperature", f"must be > 0 with sampling, got {cfg.temperature}; "
                   "use decode_strategy=greedy_search for deterministic output")
-    if cfg.repetition_penalty <= 0:
-        raise bad("repetition_penalty", f"must be > 0 (1.0 = off), got {cfg.repetition_penalty}")
+    check_sampling(cfg)  # the ranges every sampling parameter must keep (config.sampling)
     if cfg.num_return_sequences < 1:
         raise bad("num_return_sequences", f"must be >= 1, got {cfg.num_return_sequences}")
     if cfg.num_beams < 1:

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from gptforge.serve.chat import ChatTemplate
 from gptforge.serve.engine import Engine, FinishEvent, QueueFull, SamplingParams, ShuttingDown, TokenEvent
 from gptforge.serve.engine import Request as EngineRequest
+from gptforge.serve.gate import Gate
 from gptforge.serve.metrics import CONTENT_TYPE, ServeMetrics
 from gptforge.serve.protocol import APIError, ChatRequest, CompletionRequest
 
@@ -36,6 +39,10 @@ class ServeState:
     metrics: ServeMetrics
     chat: ChatTemplate
     api_key: str | None = None
+    public_metrics: bool = False  # /metrics without the API key
+    max_body_bytes: int = 8 << 20
+    request_timeout: float | None = None  # seconds from arrival; None = no limit
+    max_prompt_chars: int | None = None  # longer text cannot fit the context (None: no cheap bound)
     close: object = None  # releases the backend (the packed weights) when the server stops
     draining: bool = False
     inflight: int = 0
@@ -52,6 +59,10 @@ class _Choice:
     completion_tokens: int = 0
 
 
+class RequestTimeout(Exception):
+    """The request ran past `--request-timeout` (it has been cancelled)."""
+
+
 class _Run:
     """One submitted request: an asyncio queue fed by the engine thread."""
 
@@ -64,6 +75,7 @@ class _Run:
         self.open = len(self.choices)
         self.error: str | None = None
         self._closed = False
+        self.deadline = None if state.request_timeout is None else time.monotonic() + state.request_timeout
         try:
             state.engine.submit(self.req)
         except QueueFull as e:
@@ -77,9 +89,15 @@ class _Run:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
     async def events(self):
-        """Engine events until every choice has finished (each event also updates `choices`)."""
+        """Engine events until every choice has finished (each event also updates `choices`);
+        `RequestTimeout` (the request cancelled) past the deadline."""
         while self.open:
-            ev = await self.queue.get()
+            try:
+                left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+                ev = await asyncio.wait_for(self.queue.get(), left)
+            except TimeoutError:
+                self.close()
+                raise RequestTimeout from None
             if ev is None:  # the client left
                 return
             c = self.choices[ev.index]
@@ -150,46 +168,38 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Gate:
-    """API key and drain checks on /v1/*, and request counting. A plain ASGI middleware:
-    Starlette's `BaseHTTPMiddleware` would hide the client's disconnect from the handlers."""
-
-    def __init__(self, app, state: ServeState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        st, path = self.state, scope["path"]
-        status = []
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
-        error = None
-        if path.startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if st.api_key and auth != f"Bearer {st.api_key}":
-                error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-            elif st.draining and scope["method"] == "POST":
-                error = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        try:
-            if error is not None:
-                await JSONResponse(error.body(), status_code=error.status)(scope, receive, counted_send)
-            else:
-                await self.app(scope, receive, counted_send)
-        finally:
-            if path != "/metrics" and status:
-                st.metrics.requests.labels(path, str(status[0])).inc()
+def _timeout_error(state: ServeState) -> APIError:
+    return APIError(504, f"the request ran longer than this server's limit of {state.request_timeout:g} s "
+                    "(gptforge serve --request-timeout) and was cancelled", type="server_error", code="timeout")
 
 
-def create_app(state: ServeState) -> FastAPI:
-    """The FastAPI application over a started `Engine`."""
-    app = FastAPI(title="gptforge serve", docs_url=None, redoc_url=None)
-    app.state.serve = state
-    tok = state.tokenizer
+async def _stream_events(run: _Run):
+    """`run.events()` for a server-sent stream: a timeout ends it with an error event."""
+    try:
+        async for ev in run.events():
+            yield ev
+    except RequestTimeout:
+        yield _timeout_error(run.state)
+
+
+def prompt_char_limit(tokenizer, max_positions: int) -> int | None:
+    """Characters beyond which a text cannot fit `max_positions` tokens, whatever it says:
+    positions x the longest token of a byte-level vocabulary (every byte of the text is in some
+    token, and a character is at least one byte). None for other tokenizers, where a token may
+    stand for more text than it spells (an unknown-token symbol, dropped characters, a
+    normalizer): then the body limit alone bounds a prompt."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        if "ByteLevel" not in repr(backend.pre_tokenizer) or backend.normalizer is not None:
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except AttributeError:
+        return None
+    return max_positions * max(len(t) for t in vocab) if vocab else None
+
+
+def _openai_errors(app: FastAPI) -> None:
+    """Every error the app answers in OpenAI's shape: ours, pydantic's 400s, Starlette's 404 / 405."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -198,12 +208,29 @@ def create_app(state: ServeState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        if err.get("type") == "json_invalid":  # loc holds the character position, not a field
+            pos = err.get("loc", ("body", "?"))[-1]
+            why = (err.get("ctx") or {}).get("error", "JSON decode error")
+            return JSONResponse(APIError(400, f"the request body is not valid JSON: {why} (at character {pos})",
+                                         code="invalid_json").body(), status_code=400)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         return JSONResponse(APIError(400, f"{param}: {msg}" if param else msg, param=param).body(), status_code=400)
 
-    app.add_middleware(_Gate, state=state)
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        msg = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code, headers=e.headers)
+
+
+def create_app(state: ServeState) -> FastAPI:
+    """The FastAPI application over a started `Engine`."""
+    app = FastAPI(title="gptforge serve", docs_url=None, redoc_url=None)
+    app.state.serve = state
+    tok = state.tokenizer
+    _openai_errors(app)
+    app.add_middleware(Gate, state=state, api=app)
 
     @app.get("/health")
     async def health():
@@ -239,6 +266,14 @@ def create_app(state: ServeState) -> FastAPI:
                            param="max_tokens" if len(ids) < state.max_positions else "prompt",
                            code="context_length_exceeded")
 
+    def check_chars(text: str, what: str) -> None:
+        """Refuse, before tokenizing it, text too long for the context whatever its tokens."""
+        limit = state.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"{what}: {len(text)} characters cannot fit this model's maximum context length of "
+                           f"{state.max_positions} tokens (no text over {limit} characters can); shorten it",
+                           param=what.split(" ")[0], code="context_length_exceeded")
+
     def params_of(body, max_tokens: int, stop: list[str], logprobs: int | None) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), repetition_penalty=body.repetition_penalty,
@@ -249,6 +284,8 @@ def create_app(state: ServeState) -> FastAPI:
         try:
             async for _ in run.events():
                 pass
+        except RequestTimeout:
+            raise _timeout_error(state) from None
         finally:
             watch.cancel()
             run.close()
@@ -266,15 +303,20 @@ def create_app(state: ServeState) -> FastAPI:
         else:
             texts = None
         if texts is not None:
-            prompts = [tok.encode(t) for t in texts]
+            for i, t in enumerate(texts):
+                check_chars(t, f"prompt {i}")
+            # Off the event loop: other requests' streams and /health go on while this encodes.
+            # (One by one: encode_batch's thread pool would warn in every process forked later.)
+            prompts = await run_in_threadpool(lambda: [tok.encode(t) for t in texts])
         else:
             prompts = [list(p)] if p and isinstance(p[0], int) else [list(x) for x in p]
-            texts = [tok.decode(x) for x in prompts]
         if not prompts:
             raise APIError(400, "prompt: empty list", param="prompt")
         max_tokens = body.max_tokens or 16
         for i, ids in enumerate(prompts):
             check_prompt(ids, max_tokens, i)
+        if texts is None:  # token-id prompts: their text only for echo, once they are known to fit
+            texts = [tok.decode(x) for x in prompts] if body.echo else [""] * len(prompts)
         run = _Run(state, prompts, params_of(body, max_tokens, body.stops(), body.logprobs), body.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -290,7 +332,10 @@ def create_app(state: ServeState) -> FastAPI:
                         for i in range(len(run.choices)):
                             yield _sse({**head, "choices": [{"index": i, "text": prefix(i), "logprobs": None,
                                                              "finish_reason": None}]})
-                    async for ev in run.events():
+                    async for ev in _stream_events(run):
+                        if isinstance(ev, APIError):
+                            yield _sse(ev.body())
+                            continue
                         if isinstance(ev, TokenEvent) and (ev.eos or (not ev.text and ev.logprob is None)):
                             continue
                         lp = None
@@ -321,12 +366,14 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body.model)
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        check_chars("".join(m["content"] for m in msgs), "messages")
         try:
-            text = state.chat.render([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                                      for m in body.messages])
+            text = await run_in_threadpool(state.chat.render, msgs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = tok.encode(text)
+        check_chars(text, "messages")
+        ids = await run_in_threadpool(tok.encode, text)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_positions - len(ids))
         check_prompt(ids, max_tokens, 0)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -342,8 +389,10 @@ def create_app(state: ServeState) -> FastAPI:
                     for i in range(len(run.choices)):
                         yield _sse({**chead, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}]})
-                    async for ev in run.events():
-                        if isinstance(ev, TokenEvent):
+                    async for ev in _stream_events(run):
+                        if isinstance(ev, APIError):
+                            yield _sse(ev.body())
+                        elif isinstance(ev, TokenEvent):
                             if ev.eos or (not ev.text and ev.logprob is None):
                                 continue
                             lp = (_chat_logprobs(tok, [ev.token_id], [ev.logprob], [ev.top or []])

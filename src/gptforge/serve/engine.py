@@ -190,9 +190,11 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) + req.open > self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} sequences waiting); retry later")
-            for i, prompt in enumerate(req.prompts):
-                for j in range(req.n):
-                    self._waiting.append(_Seq(req, i * req.n + j, prompt, self))
+            # All of a request's sequences or none: a choice that cannot start must not leave the
+            # others generating for a request that failed.
+            seqs = [_Seq(req, i * req.n + j, prompt, self) for i, prompt in enumerate(req.prompts)
+                    for j in range(req.n)]
+            self._waiting.extend(seqs)
             self._gauges()
             self._cv.notify()
 
@@ -269,16 +271,54 @@ class Engine:
             self._waiting = deque(s for s in self._waiting if not s.req.cancelled)
         while self._waiting and len(self._running) < self.max_batch_size:
             s = self._waiting[0]
+            if s.req.cancelled:  # a sibling just failed to start
+                self._waiting.popleft()
+                continue
             if self._running and self._reserved + s.need > self.max_tokens_in_flight:
                 break
             self._waiting.popleft()
-            s.slot = self.slots.new_slot(s.need)
-            if s.spec:
-                s.dslot = self.draft_slots.new_slot(s.need)
+            try:
+                s.slot = self.slots.new_slot(s.need)
+                if s.spec:
+                    s.dslot = self.draft_slots.new_slot(s.need)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: this request fails, not the server
+                s.slot = s.dslot = None
+                self._fail(s, e)
+                continue
             self._reserved += s.need
             self._running.append(s)
         self.peak_batch = max(self.peak_batch, len(self._running))
         self._gauges()
+
+    def _fail(self, s: _Seq, e: BaseException) -> None:
+        """End `s` with an error event; its request's other choices end with it (the request is
+        answered with the error, so nobody would read them). Other requests go on."""
+        msg = f"{type(e).__name__}: {e}"
+        with self._cv:
+            s.req.cancelled = True  # the running siblings leave the batch at the next schedule
+            self._emit_finish(s, "error", "", error=msg)
+            for o in list(self._waiting) + self._running:
+                if o.req is s.req:
+                    self._emit_finish(o, "error", "", error=f"choice {s.index} of this request failed: {msg}")
+
+    def _guarded(self, s: _Seq, fn, *args) -> bool:
+        """`fn(*args)` (one sequence's share of a step: pick, verify or propose a token); a
+        failure ends `s` alone (`_fail`) and counts as finished (True)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - one poisoned sequence must not end the others
+            self._fail(s, e)
+            return True
+
+    def _forward(self, slots, segs, stepped: list[_Seq]):
+        """`slots.step(segs)`, or None when it failed: then every sequence in the step (its KV
+        half written) ends with the error; those not in it go on."""
+        try:
+            return slots.step(segs)
+        except Exception as e:  # noqa: BLE001
+            for s in stepped:
+                self._fail(s, e)
+            return None
 
     def _release(self, s: _Seq) -> None:
         if s in self._running:
@@ -290,7 +330,7 @@ class Engine:
         if self.draft_slots is not None:
             self._spec_step()
             return
-        segs, owners, budget = [], [], self.prefill_tokens
+        segs, owners, stepped, budget = [], [], [], self.prefill_tokens
         for s in self._running:
             if not s.chunks:
                 segs.append(Segment(s.slot, [s.generated[-1]], len(s.prompt) + len(s.generated) - 1, True))
@@ -300,14 +340,17 @@ class Engine:
                 a, b = s.chunks.pop(0)
                 budget -= b - a
                 segs.append(Segment(s.slot, s.prompt[a:b], a, not s.chunks))
+                stepped.append(s)
                 if not s.chunks:
                     owners.append(s)
-        logits = self.slots.step(segs)
+        logits = self._forward(self.slots, segs, owners + stepped)
+        if logits is None:
+            return
         self.steps += 1
         now = time.perf_counter()
         finished = []
         for s, row in zip(owners, logits, strict=True):
-            if self._advance(s, row, now):
+            if self._guarded(s, self._advance, s, row, now):
                 finished.append(s)
         if finished:
             with self._cv:
@@ -393,11 +436,17 @@ class Engine:
                 segs += [Segment(s.dslot, s.prompt[a:b], a, False) for s, a, b, _ in prefill if s.spec]
             if not segs:
                 break
-            logits = self.draft_slots.step(segs)
+            logits = self._forward(self.draft_slots, segs, decoding + [p[0] for p in prefill])
+            if logits is None:
+                return
             for s, row in zip(owners, logits, strict=True):
-                self._propose(s, row, drafts[s], qs[s])
+                self._guarded(s, self._propose, s, row, drafts[s], qs[s])
+            for s in [s for s in drafts if s.done]:  # failed (or a sibling did): out of the round
+                del drafts[s], qs[s]
         segs, owners = [], []
         for s in decoding:
+            if s.done:
+                continue
             last = len(s.prompt) + len(s.generated) - 1
             if s in drafts:
                 segs.append(Segment(s.slot, [s.generated[-1]] + drafts[s], last, True, all_logits=True))
@@ -408,17 +457,19 @@ class Engine:
             segs.append(Segment(s.slot, s.prompt[a:b], a, final))
             if final:
                 owners.append(s)
-        logits = self.slots.step(segs)
+        logits = self._forward(self.slots, segs, owners + [p[0] for p in prefill])
+        if logits is None:
+            return
         self.steps += 1
         now = time.perf_counter()
         finished, o = [], 0
         for s in owners:
             if s in drafts:
                 k = len(drafts[s])
-                done = self._verify(s, logits[o:o + k + 1], drafts[s], qs[s], now)
+                done = self._guarded(s, self._verify, s, logits[o:o + k + 1], drafts[s], qs[s], now)
                 o += k + 1
             else:
-                done = self._advance(s, logits[o], now)
+                done = self._guarded(s, self._advance, s, logits[o], now)
                 o += 1
             if done:
                 finished.append(s)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gptforge.config.sampling import sampling_error
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's API range; the config's (config.sampling) reaches 100
 
 
 class APIError(Exception):
@@ -27,19 +30,40 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _surrogate(body) -> str | None:
+    """The path of the first string (or key) of a decoded JSON body that holds a lone surrogate
+    (JSON's "\\ud800" escapes decode to them, and no tokenizer or response can encode one), else
+    None. Iterative: a body may nest as deep as the JSON parser allows."""
+    todo = [(body, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            todo.extend((k, path) for k in value if isinstance(k, str))
+            todo.extend((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+    return None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Non-finite numbers (Python's json reads NaN and Infinity) are 400s before any range check.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension; 0 or -1 = off
-    repetition_penalty: float = Field(1.0, gt=0.0)  # extension; 1 = off
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension; 0 or -1 = off
+    repetition_penalty: float = 1.0  # extension; 1 = off
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -49,6 +73,26 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        # An APIError, not a ValueError: pydantic passes it through, so the 400 names the field.
+        where = _surrogate(data)
+        if where is not None:
+            raise APIError(400, f"{where}: contains an unpaired UTF-16 surrogate (\\ud800-\\udfff "
+                           "without its pair); send valid Unicode text", param=where)
+        return data
+
+    @field_validator("temperature", "top_p", "top_k", "repetition_penalty", "seed")
+    @classmethod
+    def _sampling_range(cls, v, info: ValidationInfo):
+        if info.field_name == "top_k" and v == -1:
+            return 0  # vLLM's spelling of "off"
+        msg = sampling_error(info.field_name, v, max_temperature=MAX_TEMPERATURE)
+        if msg:
+            raise ValueError(msg)
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

@@ -16,7 +16,7 @@ import torch
 from gptforge.errors import ConfigError
 from gptforge.generate.backend import PREFILL_CHUNK, TorchBackend
 from gptforge.generate.slots import slots_for
-from gptforge.serve.app import ServeState, create_app
+from gptforge.serve.app import ServeState, create_app, prompt_char_limit
 from gptforge.serve.chat import ChatTemplate
 from gptforge.serve.engine import Engine
 from gptforge.serve.metrics import ServeMetrics
@@ -34,6 +34,9 @@ class ServeOptions:
     prefill_tokens: int = PREFILL_CHUNK
     drain_timeout: float = 30.0
     chat_template: str | None = None
+    public_metrics: bool = False  # /metrics open without the API key
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    request_timeout: float | None = None  # seconds a request may take from arrival (None: no limit)
 
 
 def _open(model_or_backend, generation, closers: list):
@@ -52,6 +55,9 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     from gptforge.generate.api import special_ids
     from gptforge.generate.speculative import parse_num_draft_tokens
 
+    if opts.api_key is not None and not opts.api_key.strip():
+        # An unset $KEY expands to "": serving without a key would be the silent result.
+        raise ConfigError("the API key is empty; give a key, or leave it out to serve without one")
     closers: list = []
     backend = _open(model_or_backend, generation, closers)
     slots = slots_for(backend)
@@ -79,13 +85,17 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
                     prefill_tokens=opts.prefill_tokens, metrics=metrics, draft_slots=draft_slots,
                     num_draft_tokens=generation.num_draft_tokens, draft_max_positions=draft_max).start()
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
-                      ChatTemplate(opts.chat_template), api_key=opts.api_key, close=close if closers else None)
+                      ChatTemplate(opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
+                      max_body_bytes=opts.max_body_bytes, request_timeout=opts.request_timeout,
+                      max_prompt_chars=prompt_char_limit(tokenizer, backend.max_positions),
+                      close=close if closers else None)
 
 
 class DrainingServer:
     """uvicorn.Server whose exit signal drains first (see the module docstring)."""
 
-    def __init__(self, state: ServeState, opts: ServeOptions, log_level: str = "info"):
+    def __init__(self, state: ServeState, opts: ServeOptions, log_level: str = "info", on_started=None):
+        """`on_started(port)` runs once the socket is bound (the real port, also for port 0)."""
         import uvicorn
 
         self.state, self.opts = state, opts
@@ -96,6 +106,11 @@ class DrainingServer:
         class _Server(uvicorn.Server):
             def handle_exit(self, sig, frame):  # noqa: ARG002
                 outer.begin_drain()
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started and on_started is not None:
+                    on_started(outer.port)
 
         self.server = _Server(config)
         self._drain_started = False
@@ -132,6 +147,14 @@ class DrainingServer:
     @property
     def started(self) -> bool:
         return self.server.started
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (the bound one when `opts.port` is 0)."""
+        for srv in getattr(self.server, "servers", []):
+            for sock in srv.sockets:
+                return sock.getsockname()[1]
+        return self.opts.port
 
 
 __all__ = ["DrainingServer", "ServeOptions", "build_state"]
