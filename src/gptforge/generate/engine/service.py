@@ -90,6 +90,18 @@ class EngineService:
     def peak_batch(self) -> int:
         return self.core.scheduler.peak_batch
 
+    @peak_batch.setter
+    def peak_batch(self, value: int) -> None:
+        self.core.scheduler.peak_batch = value
+
+    @property
+    def max_queue(self) -> int:
+        return self.core.scheduler.cfg.max_queue
+
+    @max_queue.setter
+    def max_queue(self, value: int) -> None:
+        self.core.scheduler.cfg.max_queue = value
+
     @property
     def steps(self) -> int:
         return self.core.steps
