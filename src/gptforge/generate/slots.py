@@ -38,11 +38,17 @@ class SeqSlot:
         self.length = length
 
     @classmethod
-    def for_model(cls, model: nn.Module, capacity: int) -> SeqSlot:
-        # The model's own cache factory knows its dtype (an INT8 model keeps float activations).
-        probe = model.new_cache(1, 1)
-        heads = [k.shape[1] for k in probe.k]
-        return cls(heads, capacity, probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device)
+    def for_model(cls, model: nn.Module, capacity: int, layout: tuple | None = None) -> SeqSlot:
+        """A slot shaped like `model`'s cache (`layout`: `slot_layout(model)`, if already known)."""
+        heads, head_dim, dtype, device = layout or slot_layout(model)
+        return cls(heads, capacity, head_dim, dtype, device)
+
+
+def slot_layout(model: nn.Module) -> tuple:
+    """(heads per layer, head dim, dtype, device) of `model`'s KV cache. The model's own cache
+    factory knows them (an INT8 model keeps float activations; a pruned one has fewer heads)."""
+    probe = model.new_cache(1, 1)
+    return [k.shape[1] for k in probe.k], probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device
 
 
 @dataclass

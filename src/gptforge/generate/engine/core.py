@@ -3,9 +3,10 @@ output. Synchronous and single-threaded: offline clients (`generate`, `stream`, 
 adapter) call `run()` until their requests finish; `EngineService` runs it on a thread for
 `serve`.
 
-A failure while sampling or verifying one sequence ends only that sequence (a `FinishEvent`
-with reason `error`); the step's other rows go on. A failure of the model step itself ends the
-sequences that were in it.
+Per-request isolation (with `isolate`, the default; offline clients turn it off and see the
+exception): a failure while admitting, sampling, verifying or recording one sequence ends that
+sequence and the other choices of its request (`FinishEvent` with reason `error`); the step's
+other rows go on. A failure of the model step itself ends the sequences that were in it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class EngineCore:
             if not (getattr(slots, "ragged", False) or hasattr(slots.backend, "step_all")):
                 raise ValueError("speculative decoding needs target slots that return the logits of every position")
             self.spec = Speculator(draft_slots, num_draft_tokens, self.sampler, slots.backend.vocab_size,
-                                   slots.device, draft_max_positions or max_positions, metrics)
+                                   slots.device, draft_max_positions or max_positions, metrics,
+                                   guard=lambda compute, items: self._isolated(compute, items))
         self.steps = 0
         self.isolate = True  # False (offline clients): a failure propagates to the caller
 
@@ -54,12 +56,6 @@ class EngineCore:
         seqs = [Sequence(req, i * req.n + j, prompt) for i, prompt in enumerate(req.prompts) for j in range(req.n)]
         self.scheduler.add(seqs, bounded)
         return seqs
-
-    def abort(self, seqs: Seq[Sequence], reason: str = "abort", error: str | None = None) -> None:
-        for s in seqs:
-            s.req.cancelled = s.req.cancelled or reason == "abort"
-            self.output.finish(s, reason, "", error)
-            self.scheduler.release(s)
 
     @property
     def stats(self) -> SpecStats | None:
@@ -78,12 +74,22 @@ class EngineCore:
         sch.admit(self._admit)
         return sch.plan()
 
-    def _admit(self, s: Sequence) -> None:
-        s.slot = self.slots.new_slot(s.need)
-        self.sampler.setup(s)
-        self.output.start(s)
-        if self.spec is not None:
-            self.spec.admit(s)
+    def _admit(self, s: Sequence) -> bool:
+        """Give `s` its slots and sampling state; False (and `s` ended) if that fails (e.g. out
+        of memory): its request fails, not the engine."""
+        try:
+            s.slot = self.slots.new_slot(s.need)
+            self.sampler.setup(s)
+            self.output.start(s)
+            if self.spec is not None:
+                self.spec.admit(s)
+            return True
+        except Exception as e:  # noqa: BLE001
+            if not self.isolate:
+                raise
+            s.slot = s.dslot = None
+            self._fail(s, e)
+            return False
 
     def step(self, plan: StepPlan | None = None) -> None:
         """Run one model step (of `plan`, else a fresh one) and emit its tokens."""
@@ -93,13 +99,15 @@ class EngineCore:
         in_step = plan.decode + [s for s, _, _ in plan.prefill]
         try:
             props = self.spec.propose(plan.decode, plan.prefill) if self.spec is not None else {}
-            works = [self._decode_work(s, props.get(s)) for s in plan.decode]
+            works = [self._decode_work(s, props.get(s)) for s in plan.decode if not s.done]
             works += [Work(s, s.prompt[a:b], a, not s.chunks and b == len(s.prompt)) for s, a, b in plan.prefill]
             outs = run_step(self.slots, works)
         except Exception as e:  # noqa: BLE001 - a failed step ends its sequences, not the engine
             if not self.isolate:
                 raise
-            self.abort(list(dict.fromkeys(in_step)), "error", f"{type(e).__name__}: {e}")
+            for s in dict.fromkeys(in_step):  # their KV slots are half written: they end, the others go on
+                self._fail(s, e)
+            self._release_done()
             return
         self.steps += 1
         now = time.perf_counter()
@@ -107,6 +115,9 @@ class EngineCore:
         spec = [(w.seq, o, props[w.seq]) for w, o in zip(works, outs, strict=True) if w.seq in props]
         self._emit(plain, now, verify=False)
         self._emit(spec, now, verify=True)
+        self._release_done()
+
+    def _release_done(self) -> None:
         for s in [s for s in self.scheduler.running if s.done]:
             self.scheduler.release(s)
             if not s.req.open:
@@ -135,8 +146,16 @@ class EngineCore:
                 out.append(None)
         return out
 
-    def _fail(self, s: Sequence, e: Exception) -> None:
-        self.output.finish(s, "error", "", f"{type(e).__name__}: {e}")
+    def _fail(self, s: Sequence, e: BaseException) -> None:
+        """End `s` with an error event; its request's other choices end with it (the request is
+        answered with the error, so nobody would read them). Other requests go on."""
+        msg = f"{type(e).__name__}: {e}"
+        s.req.cancelled = True  # waiting siblings are dropped, running ones leave at the next step
+        self.output.finish(s, "error", "", msg)
+        sch = self.scheduler
+        for o in list(sch.waiting) + list(sch.running):
+            if o.req is s.req:
+                self.output.finish(o, "error", "", f"choice {s.index} of this request failed: {msg}")
 
     def _choose(self, items: list) -> list:
         rows = [(s, ()) for s, _ in items]

@@ -70,15 +70,20 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.req.cancelled)
         return gone
 
-    def admit(self, on_admit: Callable[[Sequence], None]) -> list[Sequence]:
-        """Move waiting sequences into the batch while it has room; `on_admit` gives each its slots."""
+    def admit(self, on_admit: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Move waiting sequences into the batch while it has room; `on_admit` gives each its slots
+        (False: it could not start)."""
         new = []
         while self.waiting and len(self.running) < self.cfg.max_batch_size:
             s = self.waiting[0]
+            if s.req.cancelled or s.done:  # e.g. a sibling just failed to start
+                self.waiting.popleft()
+                continue
             if self.running and self.reserved + s.need > self.max_tokens_in_flight:
                 break
             self.waiting.popleft()
-            on_admit(s)
+            if not on_admit(s):  # it could not start (and has been ended)
+                continue
             self.reserved += s.need
             self.running.append(s)
             new.append(s)

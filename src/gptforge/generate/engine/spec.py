@@ -52,13 +52,15 @@ class Speculator:
     """The draft side of the engine (see the module docstring)."""
 
     def __init__(self, draft_slots, num_draft_tokens, sampler: Sampler, vocab_size: int, device,
-                 draft_max_positions: int, metrics=None):
+                 draft_max_positions: int, metrics=None, guard=None):
         self.slots = draft_slots
         self.k0, self.adaptive = parse_num_draft_tokens(num_draft_tokens)
         self.sampler = sampler
         self.vocab_size, self.device = vocab_size, device
         self.max_positions = draft_max_positions
         self.metrics = metrics
+        # guard(compute, items): runs one step's proposals, ending only the sequences that fail
+        self.guard = guard or (lambda compute, items: compute(items))
         self.stats = SpecStats()
 
     def admit(self, seq) -> None:
@@ -86,13 +88,22 @@ class Speculator:
             if not works:
                 break
             logits = align_draft_logits(torch.stack(outs), self.vocab_size, self.device)
-            rows = [(w.seq, props[w.seq].tokens) for w in works]
-            scored = self.sampler.score(rows, logits)
-            for r, (w, tok) in enumerate(zip(works, self.sampler.choose(rows, scored), strict=True)):
-                props[w.seq].tokens.append(tok)
-                if scored.probs is not None and w.seq.sampling.warpers is not None:
-                    props[w.seq].q.append(scored.probs[r])
+            items = [(w.seq, props[w.seq].tokens, row) for w, row in zip(works, logits, strict=True)]
+            for (s, _, _), drawn in zip(items, self.guard(self._draw, items), strict=True):
+                if drawn is None:  # it failed (and has been ended): out of the round
+                    del props[s]
+                    continue
+                props[s].tokens.append(drawn[0])
+                if drawn[1] is not None:
+                    props[s].q.append(drawn[1])
         return props
+
+    def _draw(self, items: list) -> list[tuple[int, torch.Tensor | None]]:
+        """(draft token, its distribution q when sampled) per (sequence, drafts so far, logits)."""
+        rows = [(s, toks) for s, toks, _ in items]
+        scored = self.sampler.score(rows, torch.stack([row for _, _, row in items]))
+        return [(tok, scored.probs[r] if s.sampling.warpers is not None else None)
+                for r, ((s, _), tok) in enumerate(zip(rows, self.sampler.choose(rows, scored), strict=True))]
 
     def verify(self, items: list[tuple[object, torch.Tensor, Proposal]]) -> list[tuple[list[int], torch.Tensor]]:
         """Per (sequence, target logits [k+1, V], proposal): the tokens to emit (accepted drafts +
