@@ -21,7 +21,7 @@ def __getattr__(name: str):
     # The ONNX / torch.export modules register custom ops and pull in more: load on first use.
     lazy = {"export_onnx": "gptforge.export.onnx", "ExportReport": "gptforge.export.program",
             "export_torch": "gptforge.export.torch_export", "load_program": "gptforge.export.torch_export",
-            "OrtBackend": "gptforge.export.ort_generate", "load_onnx_dir": "gptforge.export.ort_generate",
+            "OrtBackend": "gptforge.generate.ort_backend", "load_onnx_dir": "gptforge.generate.ort_backend",
             "to_qdq": "gptforge.export.qdq"}
     if name in lazy:
         import importlib

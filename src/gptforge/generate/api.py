@@ -32,10 +32,11 @@ from gptforge.generate.engine.output import IncrementalDecoder
 from gptforge.generate.engine.params import from_generation
 from gptforge.generate.engine.sequence import Request
 from gptforge.generate.engine.spec import SpecStats
+from gptforge.generate.loader import load_draft
 from gptforge.generate.memory import check_decode_fits
 from gptforge.generate.processors import LogitsProcessor, build_processors
 from gptforge.generate.search import SearchOutput, left_pad
-from gptforge.generate.speculative import check_speculative, load_draft
+from gptforge.generate.speculative import check_speculative
 
 __all__ = ["GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "fit_prompts", "generate",
            "generate_ids", "special_ids", "stream"]

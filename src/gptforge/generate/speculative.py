@@ -24,8 +24,6 @@ every draft was accepted, -1 otherwise), and its KV slots roll back to what it a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from gptforge.errors import CheckpointError, ConfigError
@@ -66,21 +64,6 @@ def check_same_tokenizer(draft_tok, target_tok, draft_name, target_name) -> None
             f"Generation.draft={draft_name}: its tokenizer ({draft_tok.vocab_size} tokens, fingerprint "
             f"{draft_tok.fingerprint()}) differs from the target {target_name}'s ({target_tok.vocab_size} tokens, "
             f"{target_tok.fingerprint()}); a draft must share the target's tokenizer")
-
-
-def load_draft(path, *, device=None, tokenizer=None, target_name: str = "model"):
-    """The draft model (eval mode) from a model directory of any format `model_io` reads; with
-    `tokenizer` (the target's), a different draft tokenizer is a one-line `CheckpointError`."""
-    from gptforge.data.tokenizer import load_tokenizer
-    from gptforge.model_io import load_model, resolve_checkpoint_path
-
-    p = resolve_checkpoint_path(path)
-    model, cfg = load_model(p, device=device)
-    if tokenizer is not None:
-        own = p.is_dir() and ((p / "tokenizer.json").is_file() or (p / "vocab.json").is_file())
-        dtok = load_tokenizer(None, p) if own else load_tokenizer(cfg.Data.tokenizer, p if p.is_dir() else None)
-        check_same_tokenizer(dtok, tokenizer, Path(path), target_name)
-    return model
 
 
 # ------------------------------------------------------------------------------ acceptance

@@ -1,7 +1,7 @@
-"""Generation with an exported ONNX model in onnxruntime: a `StepBackend` for the decode loops
-of `gptforge.generate`, so every Generation option works and greedy output equals PyTorch's.
+"""An inference backend: an exported ONNX model in onnxruntime as a `StepBackend` for the engine
+and beam search, so every Generation option works and greedy output equals PyTorch's.
 
-    from gptforge.export import load_onnx_dir
+    from gptforge.generate.ort_backend import load_onnx_dir
     backend, cfg, tokenizer = load_onnx_dir("out/onnx")
     res = generate(backend, tokenizer, ["Hello"], cfg.Generation)
 
@@ -27,7 +27,7 @@ import torch
 
 from gptforge.compress.cpu_kernels import ORT_GEMMS, ort_gemm_is_exact, ort_int8_gemm
 from gptforge.errors import CheckpointError, UsageError
-from gptforge.export.common import META_FILE, load_export_config, read_export_dir
+from gptforge.generate.export_dir import META_FILE, load_export_config, read_export_dir
 
 INT8_GEMM = ORT_GEMMS
 
