@@ -98,7 +98,10 @@ class Gate:
                 if body is None:
                     error = _too_large(self.state.max_body_bytes)
             if error is not None:
-                await JSONResponse(error.body(), status_code=error.status)(scope, receive, counted_send)
+                # 413: close the connection rather than read and drop the rest of a huge body.
+                headers = {"connection": "close"} if error.status == 413 else None
+                await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive,
+                                                                                            counted_send)
                 return
             replayed = False
 
