@@ -45,7 +45,8 @@ class EngineCore:
                 raise ValueError("speculative decoding needs target slots that return the logits of every position")
             self.spec = Speculator(draft_slots, num_draft_tokens, self.sampler, slots.backend.vocab_size,
                                    slots.device, draft_max_positions or max_positions, metrics,
-                                   guard=lambda compute, items: self._isolated(compute, items))
+                                   guard=lambda compute, items: self._isolated(compute, items),
+                                   on_error=lambda: self._on_error())
         self.steps = 0
         self.isolate = True  # False (offline clients): a failure propagates to the caller
 
@@ -130,8 +131,10 @@ class EngineCore:
         return Work(s, [s.generated[-1]] + prop.tokens, last, True, all_logits=True)
 
     def _isolated(self, compute, items: list) -> list:
-        """`compute(items)` (one result per item); if it fails, again one item at a time: an item
-        that fails alone ends its sequence with an error and gets None."""
+        """`compute(items)` (one result per item, None for an item it ended); if it fails, again
+        one item at a time: an item that fails alone ends its sequence with an error and gets
+        None. (Random draws are made per row inside `compute` and never repeated: a failing draw
+        ends its row there.)"""
         try:
             return compute(items)
         except Exception:  # noqa: BLE001 - find the sequence(s) at fault below
@@ -157,11 +160,16 @@ class EngineCore:
             if o.req is s.req:
                 self.output.finish(o, "error", "", f"choice {s.index} of this request failed: {msg}")
 
+    def _on_error(self):
+        return self._fail if self.isolate else None
+
     def _choose(self, items: list) -> list:
+        """([token], its log-probs [1, V]) per (sequence, logits), None where the draw failed."""
         rows = [(s, ()) for s, _ in items]
         scored = self.sampler.score(rows, torch.stack([o for _, o in items]))
         logp = scored.logprobs()
-        return [([tok], logp[r:r + 1]) for r, tok in enumerate(self.sampler.choose(rows, scored))]
+        toks = self.sampler.choose(rows, scored, self._on_error())
+        return [None if tok is None else ([tok], logp[r:r + 1]) for r, tok in enumerate(toks)]
 
     def _emit(self, items: list, now: float, verify: bool) -> None:
         """Choose (or verify) the tokens of `items`, then record them sequence by sequence."""

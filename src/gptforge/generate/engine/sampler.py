@@ -100,15 +100,22 @@ class Sampler:
                 probs[sel] = s0.warpers(hist, part.clone()).softmax(dim=-1)
         return Scored(scores, probs)
 
-    def choose(self, rows: Seq[tuple[object, Seq[int]]], scored: Scored) -> list[int]:
+    def choose(self, rows: Seq[tuple[object, Seq[int]]], scored: Scored, on_error=None) -> list[int | None]:
         """The next token of every row: the argmax (greedy) or a draw from its distribution with
-        the sequence's generator."""
+        the sequence's generator. With `on_error(seq, exc)`, a row whose draw fails gets None (the
+        other rows' draws are made once, as alone); without, the failure propagates."""
         best = scored.scores.argmax(dim=-1).tolist()
-        out = []
+        out: list[int | None] = []
         for r, (seq, _) in enumerate(rows):
             s = seq.sampling
             if s.warpers is None:
                 out.append(int(best[r]))
-            else:
+                continue
+            try:
                 out.append(int(torch.multinomial(scored.probs[r:r + 1], 1, generator=s.generator)))
+            except Exception as e:  # noqa: BLE001 - e.g. a nan distribution: this row's failure
+                if on_error is None:
+                    raise
+                on_error(seq, e)
+                out.append(None)
         return out

@@ -52,7 +52,7 @@ class Speculator:
     """The draft side of the engine (see the module docstring)."""
 
     def __init__(self, draft_slots, num_draft_tokens, sampler: Sampler, vocab_size: int, device,
-                 draft_max_positions: int, metrics=None, guard=None):
+                 draft_max_positions: int, metrics=None, guard=None, on_error=None):
         self.slots = draft_slots
         self.k0, self.adaptive = parse_num_draft_tokens(num_draft_tokens)
         self.sampler = sampler
@@ -61,6 +61,7 @@ class Speculator:
         self.metrics = metrics
         # guard(compute, items): runs one step's proposals, ending only the sequences that fail
         self.guard = guard or (lambda compute, items: compute(items))
+        self.on_error = on_error or (lambda: None)  # () -> the handler of one row's failed draw, or None
         self.stats = SpecStats()
 
     def admit(self, seq) -> None:
@@ -102,8 +103,9 @@ class Speculator:
         """(draft token, its distribution q when sampled) per (sequence, drafts so far, logits)."""
         rows = [(s, toks) for s, toks, _ in items]
         scored = self.sampler.score(rows, torch.stack([row for _, _, row in items]))
-        return [(tok, scored.probs[r] if s.sampling.warpers is not None else None)
-                for r, ((s, _), tok) in enumerate(zip(rows, self.sampler.choose(rows, scored), strict=True))]
+        toks = self.sampler.choose(rows, scored, self.on_error())
+        return [None if tok is None else (tok, scored.probs[r] if s.sampling.warpers is not None else None)
+                for r, ((s, _), tok) in enumerate(zip(rows, toks, strict=True))]
 
     def verify(self, items: list[tuple[object, torch.Tensor, Proposal]]) -> list[tuple[list[int], torch.Tensor]]:
         """Per (sequence, target logits [k+1, V], proposal): the tokens to emit (accepted drafts +
@@ -111,16 +113,24 @@ class Speculator:
         rows = [(s, p.tokens[:i]) for s, _, p in items for i in range(len(p.tokens) + 1)]
         scored = self.sampler.score(rows, torch.cat([t for _, t, _ in items]))
         logp = scored.logprobs()
-        out, o = [], 0
+        out, o, on_error = [], 0, self.on_error()
         for s, _, p in items:
             k = len(p.tokens)
             P = scored.scores[o:o + k + 1]
-            d = torch.tensor([p.tokens], dtype=torch.long, device=P.device)
-            if s.sampling.warpers is None:
-                acc, E = accept_greedy(d, P.argmax(-1)[None])
-            else:
-                acc, E = accept_sampling(d, scored.probs[o:o + k + 1][None], torch.stack(p.q)[None],
-                                         s.sampling.generator)
+            try:
+                d = torch.tensor([p.tokens], dtype=torch.long, device=P.device)
+                if s.sampling.warpers is None:
+                    acc, E = accept_greedy(d, P.argmax(-1)[None])
+                else:
+                    acc, E = accept_sampling(d, scored.probs[o:o + k + 1][None], torch.stack(p.q)[None],
+                                             s.sampling.generator)
+            except Exception as e:  # noqa: BLE001 - one row's failed draw ends that row (random draws never repeat)
+                if on_error is None:
+                    raise
+                on_error(s, e)
+                out.append(None)
+                o += k + 1
+                continue
             acc = int(acc[0])
             self._count(s, k, acc)
             out.append((E[0, :acc + 1].tolist(), logp[o:o + k + 1]))
