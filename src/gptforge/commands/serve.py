@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: max-batch-size x context length)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="sequences waiting for a slot before new requests get 429 (default 256)")
-    p.add_argument("--prefill-tokens", type=int, default=32, metavar="N",
-                   help="prompt tokens prefilled per step beside the running decodes, a multiple of 32 (default 32)")
+    p.add_argument("--prefill-tokens", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step beside the running decodes, a multiple of 32; larger: new "
+                        "requests get their first token sooner, running streams pause longer (default 512)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the plain-text one, docs/serve.md)")

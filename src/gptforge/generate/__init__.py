@@ -3,6 +3,7 @@
 - `generate(model, tokenizer, prompts, config)` → `GenerationResult` (texts, token ids, scores)
 - `stream(model, tokenizer, prompt, config)` → iterator of text deltas
 - `generate_ids(model, prompt_ids, config)` → `SearchOutput` on token ids
+- `load_runnable(path)` → (model or ONNX backend, config, tokenizer); `load_draft(path, tokenizer=)`
 - `engine`: the decoding engine every client runs (continuous batching, speculative decoding);
 - `processors`: composable logits processors; `backend.StepBackend`: the step interface the
   decode loops run on (our GPT via `TorchBackend`, or an ONNX Runtime model).
@@ -19,6 +20,7 @@ from gptforge.generate.api import (
 )
 from gptforge.generate.backend import StepBackend, TorchBackend, release_packed
 from gptforge.generate.engine import SamplingParams, SpecStats
+from gptforge.generate.loader import load_draft, load_runnable
 from gptforge.generate.processors import (
     NO_TOKEN,
     MinNewTokens,
@@ -35,5 +37,5 @@ __all__ = [
     "GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "generate", "generate_ids", "stream",
     "StepBackend", "TorchBackend", "release_packed", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
     "Temperature", "TopK", "TopP", "VocabLimit", "PromptBatch", "SearchOutput", "left_pad", "SamplingParams",
-    "SpecStats",
+    "SpecStats", "load_draft", "load_runnable",
 ]

@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_batch_size: int = 16  # sequences decoded together
     max_tokens_in_flight: int | None = None  # KV positions (prompt + max_tokens) reserved; None: batch x context
     max_queue: int = 256  # sequences waiting before `add` raises QueueFull
-    prefill_tokens: int = 4 * PREFILL_CHUNK  # prompt tokens per step beside the decodes
+    prefill_tokens: int = 16 * PREFILL_CHUNK  # prompt tokens per step beside the decodes (newcomers' first tokens)
 
 
 @dataclass
