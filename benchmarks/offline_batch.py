@@ -99,10 +99,12 @@ def main(argv=None) -> int:
     ap.add_argument("--one-by-one", type=int, default=0,
                     help="time one-at-a-time on the first N prompts only and scale (default: all)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Model.* override of the 124M shape for a quick check (e.g. Model.num_layers=2)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    ours, hf, _ = build_pair()
+    ours, hf, _ = build_pair(extra=tuple(args.model))
     work = workload(args.prompts)
     total = sum(n for _, n in work)
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
