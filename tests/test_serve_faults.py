@@ -8,20 +8,15 @@ sockets)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -31,12 +26,10 @@ from gptforge.config.schema import GenerationConfig  # noqa: E402
 from gptforge.data.tokenizer import gpt2_tokenizer  # noqa: E402
 from gptforge.generate import generate  # noqa: E402
 from gptforge.model_io import load_model  # noqa: E402
+from serve_faults_support import KEY, POISON, Proc, poisoned_sampling, storm, upload, wait_idle  # noqa: E402
 from serve_support import make_ckpt, serving, throttled  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-POISON = 666_000_666  # a request seeded with it has its sampling fail (see `poisoned_sampling`)
-KEY = "sekrit-key"
 
 
 @pytest.fixture(scope="module")
@@ -58,34 +51,6 @@ def solo(model, tok, prompt, max_tokens):
     """What `gptforge generate` gives for one prompt alone (greedy)."""
     cfg = GenerationConfig(decode_strategy="greedy_search", max_dec_len=max_tokens)
     return generate(model[0], tok, [prompt], cfg).texts[0][0]
-
-
-@contextlib.contextmanager
-def poisoned_sampling(engine):
-    """torch.multinomial fails, as it does on a nan distribution (what temperature=1e-300 made
-    before the door refused it), for every sequence whose generator was seeded with POISON.
-    Records the running batch size each time it strikes."""
-    real, struck = torch.multinomial, []
-
-    def multinomial(probs, num_samples, *args, generator=None, **kw):
-        if generator is not None and generator.initial_seed() == POISON:
-            struck.append(engine.batch_size)
-            probs = torch.full_like(probs, float("nan"))
-        return real(probs, num_samples, *args, generator=generator, **kw)
-
-    torch.multinomial = multinomial
-    try:
-        yield struck
-    finally:
-        torch.multinomial = real
-
-
-def wait_idle(engine, seconds: float = 5.0) -> bool:
-    """True once the engine holds no sequence (it releases a finished one just after its last event)."""
-    deadline = time.monotonic() + seconds
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return engine.idle()
 
 
 GREEDY = [("The cat sat on", 24), ("Once upon a time", 30), ("Hello", 20), ("In the morning we", 26)]
@@ -205,25 +170,49 @@ def test_request_timeout_cancels_and_answers_504(model, tok):
         assert ok.status_code == 200
 
 
+def test_an_unexpected_error_is_an_openai_500_counted_and_logged_once(model, tok, caplog):
+    m, cfg = model
+    with serving(m, tok, cfg.Generation) as s:
+        s.state.chat.render = lambda messages: 1 / 0  # a bug in a handler
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        with caplog.at_level("ERROR", logger="gptforge.serve"):
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert [rec.exc_info[0] for rec in caplog.records if rec.name == "gptforge.serve"] == [ZeroDivisionError]
+        assert 'endpoint="/v1/chat/completions",status="500"} 1.0' in httpx.get(s.url + "/metrics").text
+        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                          timeout=30).status_code == 200
+
+
+def test_tokenizing_runs_off_the_event_loop(model, tok):
+    """A prompt that takes long to encode holds no one else up: /health and other requests go on."""
+    m, cfg = model
+    with serving(m, tok, cfg.Generation) as s:
+        inner, started = tok.encode, threading.Event()
+
+        def slow_encode(text):
+            if text.startswith("SLOW"):
+                started.set()
+                time.sleep(3)
+            return inner(text)
+
+        tok.encode = slow_encode  # the instance only (gpt2_tokenizer() is shared)
+        try:
+            slow = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "SLOW prompt", "max_tokens": 2}))
+            slow.start()
+            assert started.wait(10)
+            t0 = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=5, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert r.status_code == 200 and time.monotonic() - t0 < 2.5 and slow.is_alive()
+            slow.join(30)
+        finally:
+            del tok.encode
+
+
 # -- a real `gptforge serve` process ------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {KEY}"}
-
-    def assert_clean_log(self) -> None:
-        text = self.log.read_text(errors="replace")
-        assert "Traceback" not in text and "Exception in ASGI" not in text, text[-3000:]
-
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
 
 @pytest.fixture(scope="module")
@@ -346,34 +335,11 @@ def test_malformed_json_is_a_named_400(server, raw, needle):
     server.assert_clean_log()
 
 
-def _upload(url: str, headers: dict, body: bytes) -> tuple[bytes, float, int]:
-    """(the response's first bytes, seconds until they came, body bytes sent by then): a client
-    that sends as fast as the server takes while it watches for an early answer."""
-    host, port = url.removeprefix("http://").split(":")
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    t0, sent = time.monotonic(), 0
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n"
-                     .encode())
-        sock.setblocking(False)
-        while time.monotonic() - t0 < 30:
-            try:
-                data = sock.recv(1 << 12)
-                return data, time.monotonic() - t0, sent
-            except BlockingIOError:
-                pass
-            try:
-                sent += sock.send(body[sent:sent + (1 << 20)])
-            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
-                time.sleep(0.001)
-    raise AssertionError("no answer in 30 s")
-
-
 def test_a_50_mb_body_gets_413_within_a_second_while_health_answers(server):
     body = b'{"model": "tiny", "prompt": "' + b"a" * (50 << 20) + b'"}'
     done = {}
     t = threading.Thread(target=lambda: done.update(zip(("data", "seconds", "sent"),
-                                                        _upload(server.url, server.headers(), body), strict=True)))
+                                                        upload(server.url, server.headers(), body), strict=True)))
     t.start()
     health = []
     while t.is_alive() or not health:
@@ -384,6 +350,8 @@ def test_a_50_mb_body_gets_413_within_a_second_while_health_answers(server):
     assert done["data"].startswith(b"HTTP/1.1 413 ") and done["seconds"] < 1.0, done
     assert done["sent"] < len(body)  # answered before the body was read
     assert max(health) < 1.0, health
+    print(f"50 MB body: 413 after {done['seconds'] * 1000:.0f} ms, {done['sent'] >> 20} MiB sent; "
+          f"{len(health)} /health calls meanwhile, slowest {max(health) * 1000:.0f} ms")
     # The same through httpx (which sends the whole body before it reads), and a chunked body
     # (no Content-Length), counted as it arrives.
     r = httpx.post(server.url + "/v1/completions", headers=server.headers(), content=body, timeout=30)
@@ -409,44 +377,20 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server):
         t0 = time.monotonic()
         err = _bad(server, path, {"model": "tiny", "max_tokens": 4, **body},
                    "prompt" if "prompt" in body else "messages")
-        assert err["code"] == "context_length_exceeded" and time.monotonic() - t0 < 2
+        seconds = time.monotonic() - t0
+        assert err["code"] == "context_length_exceeded" and seconds < 2
+        print(f"5 MB {path} prompt: 400 after {seconds * 1000:.0f} ms")
     assert httpx.get(server.url + "/health").status_code == 200
     server.assert_clean_log()
 
 
-def _storm(url: str, paths: list[str], headers: dict) -> list[int]:
-    """Statuses of GET `paths`, pipelined over one keep-alive connection (fast, and cheap for the client)."""
-    host, port = url.removeprefix("http://").split(":")
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    statuses, buf = [], b""
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        for i in range(0, len(paths), 200):
-            batch = paths[i:i + 200]
-            sock.sendall("".join(f"GET {p} HTTP/1.1\r\nHost: x\r\n{extra}\r\n" for p in batch).encode())
-            want = len(statuses) + len(batch)
-            while len(statuses) < want:
-                data = sock.recv(1 << 16)
-                assert data, "the server closed the connection"
-                buf += data
-                while True:  # whole responses: headers, then Content-Length bytes
-                    head, sep, rest = buf.partition(b"\r\n\r\n")
-                    if not sep:
-                        break
-                    n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-                    if len(rest) < n:
-                        break
-                    statuses.append(int(head.split(b" ", 2)[1]))
-                    buf = rest[n:]
-    return statuses
-
-
 def test_6000_distinct_paths_add_no_memory_and_no_metrics_series(server):
     h = server.headers()
-    _storm(server.url, [f"/warm/{i}" for i in range(300)], h)  # first-use allocations
+    storm(server.url, [f"/warm/{i}" for i in range(300)], h)  # first-use allocations
     rss0, size0 = server.rss_mb(), len(httpx.get(server.url + "/metrics", headers=h).content)
     t0 = time.monotonic()
-    assert set(_storm(server.url, [f"/x{i}/{os.urandom(8).hex()}" for i in range(5000)], h)) == {404}
-    assert set(_storm(server.url, [f"/v1/y{i}" for i in range(1000)], {})) == {401}  # no key
+    assert set(storm(server.url, [f"/x{i}/{os.urandom(8).hex()}" for i in range(5000)], h)) == {404}
+    assert set(storm(server.url, [f"/v1/y{i}" for i in range(1000)], {})) == {401}  # no key
     seconds = time.monotonic() - t0
     rss1, text = server.rss_mb(), httpx.get(server.url + "/metrics", headers=h).text
     assert rss1 - rss0 < 20, (rss0, rss1)
