@@ -50,3 +50,16 @@ def test_a_failure_reaches_the_offline_caller(model):
     with pytest.raises(ValueError, match="processor broke"):
         generate_ids(model, PROMPTS, GenerationConfig(decode_strategy="greedy_search", max_dec_len=8),
                      processors=[broken])
+
+
+def test_speculative_statistics_reach_collect_stats(model):
+    """The engine's speculator feeds both the result's `SpecStats` and `spec_stats.collect_stats()`
+    (what `gptforge generate` / `infer` report)."""
+    from gptforge.generate.spec_stats import collect_stats
+
+    cfg = GenerationConfig(decode_strategy="greedy_search", max_dec_len=10, num_draft_tokens="3")
+    with collect_stats() as total:
+        out = generate_ids(model, PROMPTS, cfg, draft=model)
+    s = out.speculative
+    assert s.rounds > 0 and s.drafted > 0 and s.accepted == s.drafted  # the model drafts for itself
+    assert (total.stats.rounds, total.stats.drafted, total.stats.accepted) == (s.rounds, s.drafted, s.accepted)

@@ -18,6 +18,7 @@ import torch
 
 from gptforge.generate.engine.runner import Work, run_step
 from gptforge.generate.engine.sampler import Sampler
+from gptforge.generate.spec_stats import SpeculativeStats, record
 from gptforge.generate.speculative import (
     accept_greedy,
     accept_sampling,
@@ -143,6 +144,7 @@ class Speculator:
         st.drafted += k
         st.accepted += acc
         st.k_history.append(k)
+        record(SpeculativeStats(rounds=1, drafted=k, accepted=acc))  # `collect_stats()` blocks (the CLI's report)
         hook = getattr(self.metrics, "on_draft", None)
         if hook is not None:
             hook(k, acc)
