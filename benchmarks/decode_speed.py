@@ -55,8 +55,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def build_pair(seed: int = 0):
-    """(our 124M-shape model, the same weights in transformers, resolved config)."""
+def build_pair(seed: int = 0, extra: tuple[str, ...] = ()):
+    """(our 124M-shape model, the same weights in transformers, resolved config); `extra`:
+    more `Model.*` overrides (smaller shapes for a quick check)."""
     import transformers
 
     from gptforge.config import load_config
@@ -65,7 +66,7 @@ def build_pair(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = load_config(overrides=["Model.preset=124M", "Model.vocab_size=50257", "Model.vocab_size_divisible_unit=1",
-                                 "Model.hidden_dropout_prob=0", "Model.attention_probs_dropout_prob=0"])
+                                 "Model.hidden_dropout_prob=0", "Model.attention_probs_dropout_prob=0", *extra])
     ours = build_model(cfg.Model).eval()
     hf_cfg = convert.model_to_hf_config(cfg.Model, eos_token_id=50256)
     hf_cfg = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "torch_dtype")}

@@ -170,7 +170,7 @@ def main() -> int:
     import onnxruntime as ort
 
     from gptforge.export.onnx import export_onnx
-    from gptforge.export.ort_generate import OrtBackend
+    from gptforge.generate.ort_backend import OrtBackend
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {threads} threads; torch {torch.__version__}, "
           f"onnxruntime {ort.__version__}; load average {load()} at start")

@@ -49,9 +49,6 @@ from gptforge.cli import main as cli  # noqa: E402
 from gptforge.config import load_config  # noqa: E402
 from gptforge.config.schema import GenerationConfig  # noqa: E402
 from gptforge.generate import generate_ids  # noqa: E402
-from gptforge.generate.api import _search, special_ids  # noqa: E402
-from gptforge.generate.backend import TorchBackend  # noqa: E402
-from gptforge.generate.search import left_pad  # noqa: E402
 from gptforge.model_io import load_model, save_model_dir  # noqa: E402
 
 # GPT-2 small's width/depth ratio at a size a shared 2-core CPU trains in minutes; its 56 MB of
@@ -245,11 +242,8 @@ def main(argv=None) -> int:
     def spec(p, draft, k):
         cfg = GenerationConfig(decode_strategy="greedy_search", max_dec_len=new, min_dec_len=new,
                                num_draft_tokens=k)
-        with TorchBackend(tmodel) as tb, TorchBackend(draft) as db:
-            e, pad = special_ids(cfg, eos)
-            dec = _search(tb, left_pad([p], pad), cfg, e, pad, None, (), db)
-            out = dec.run()
-        return out.tokens, dec
+        out = generate_ids(tmodel, [p], cfg, eos_token_id=eos, draft=draft)
+        return out.tokens, out.speculative  # SpecStats: drafted, accepted
 
     cases = {"plain greedy": None}
     ks = args.ks.split(",")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _session(onnx_dir, **kw):
     from gptforge.export.common import read_export_dir
-    from gptforge.export.ort_generate import make_session, session_runner
+    from gptforge.export.ort_session import make_session, session_runner
 
     _, meta = read_export_dir(onnx_dir, "onnx")
     sess, mode = make_session(onnx_dir / "model.onnx", meta, **kw)
@@ -122,7 +122,7 @@ def _one_linear_error(tmp_path, dtype: str, int8_gemm: str, wmax: int = 127) -> 
     """(largest error / largest output against exact int8 arithmetic, the mode used) of one
     Linear with weights in ±wmax and full-range activations in onnxruntime, stored as `dtype`,
     through `make_session`."""
-    from gptforge.export.ort_generate import make_session
+    from gptforge.export.ort_session import make_session
     from gptforge.transforms.cpu_kernels import one_linear_qdq_graph
 
     rng = np.random.default_rng(0)
@@ -180,7 +180,7 @@ def test_a_cpu_where_the_s8_kernel_is_exact_fuses_int8_storage(tmp_path, monkeyp
 
 def test_int8_gemm_and_storage_choice_follow_the_probe_and_can_be_forced(monkeypatch):
     from gptforge.errors import UsageError
-    from gptforge.export.ort_generate import int8_gemm_mode
+    from gptforge.export.ort_session import int8_gemm_mode
     from gptforge.export.qdq import resolve_qdq_dtype
     from gptforge.transforms import cpu_kernels
 

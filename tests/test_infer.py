@@ -85,7 +85,7 @@ def test_infer_errors_are_one_line(run_cli, fp32, tmp_path):
 def test_int8_storage_runs_exactly_on_any_cpu(run_cli, int8, tmp_path):
     """`--qdq-dtype int8` (the reference's form): `auto` fuses it only where onnxruntime's s8
     GEMM is exact, so `gptforge infer` still equals `gptforge generate`."""
-    from gptforge.export.ort_generate import s8_gemm_is_exact
+    from gptforge.export.ort_session import s8_gemm_is_exact
 
     model_dir, _ = int8
     code, out, err = run_cli("export", "--format", "onnx", "--ckpt", model_dir, "--out", tmp_path / "s8",

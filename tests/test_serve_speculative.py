@@ -206,8 +206,16 @@ def test_speculative_sampling_in_the_engine_follows_the_target_distribution(mode
     or the target's correction, so p(t1, t2) must be the target's whatever the draft proposes."""
     from scipy.stats import chisquare
 
+    from gptforge.generate.engine import (
+        EngineCore,
+        EngineService,
+        FinishEvent,
+        Request,
+        SamplingParams,
+        SchedulerConfig,
+        TokenEvent,
+    )
     from gptforge.generate.slots import slots_for
-    from gptforge.serve.engine import Engine, FinishEvent, Request, SamplingParams, TokenEvent
 
     m, temp, top_k, n = model[0], 1.0, 3, 800
     prompt = tok.encode("The cat sat on")
@@ -227,9 +235,10 @@ def test_speculative_sampling_in_the_engine_follows_the_target_distribution(mode
         assert not (isinstance(ev, FinishEvent) and ev.reason == "error"), ev.error
 
     with TorchBackend(m) as be, TorchBackend(drafts["flat"]) as dbe:
-        eng = Engine(slots_for(be), tok, eos_token_ids=[], vocab_limit=None, max_positions=be.max_positions,
-                     max_batch_size=256, max_queue=n, prefill_tokens=1024, draft_slots=slots_for(dbe),
-                     num_draft_tokens="1").start()
+        core = EngineCore(slots_for(be), eos_token_ids=[], vocab_limit=None, max_positions=be.max_positions,
+                          tokenizer=tok, scheduler=SchedulerConfig(max_batch_size=256, max_queue=n, prefill_tokens=1024),
+                          draft_slots=slots_for(dbe), num_draft_tokens="1")
+        eng = EngineService(core).start()
         try:
             req = Request([prompt], SamplingParams(max_tokens=3, temperature=temp, top_k=top_k, seed=0), n, sink)
             eng.submit(req)

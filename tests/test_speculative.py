@@ -1,5 +1,5 @@
-"""Speculative decoding: greedy output equals plain greedy (batched, ragged prompts, several K),
-both KV caches equal a fresh prefill after every round, speculative sampling follows the
+"""Speculative decoding (the engine's proposer + verifier): greedy output equals plain greedy
+(batched, ragged prompts, several K), both KV slots equal a fresh prefill after every round, speculative sampling follows the
 target's distribution (chi-square), drafts made by pruning and INT8 conversion, bad input."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import torch
 from gf_testutil import tiny_model
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError
-from gptforge.generate import generate_ids, left_pad
-from gptforge.generate.api import _search, check_config
-from gptforge.generate.backend import TorchBackend
-from gptforge.generate.speculative import SpeculativeDecoder
+from gptforge.generate import generate_ids
+from gptforge.generate.api import check_config
+from gptforge.generate.engine.spec import Speculator
 from test_generate import _spread
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,18 +47,17 @@ def draft(target):
 
 
 def _decoder(target, draft, cfg, prompts=PROMPTS, eos=()):
-    tb, db = TorchBackend(target), TorchBackend(draft)
-    tb.__enter__()
-    db.__enter__()
-    return _search(tb, left_pad(prompts, 0), cfg, list(eos), 0, None, (), db)
+    """(SearchOutput, SpecStats) of speculative decoding through the library API."""
+    cfg = dataclasses.replace(cfg, eos_token_id=eos[0] if eos else None, pad_token_id=0)
+    out = generate_ids(target, prompts, cfg, draft=draft)
+    return out, out.speculative
 
 
 @pytest.mark.parametrize("k", ["1", "2", "3", "5", "auto"])
 def test_greedy_equals_plain_greedy_on_ragged_batches(target, draft, k):
     cfg = dataclasses.replace(GREEDY, num_draft_tokens=k)
     plain = generate_ids(target, PROMPTS, cfg)
-    spec = _decoder(target, draft, cfg)
-    out = spec.run()
+    out, spec = _decoder(target, draft, cfg)
     assert torch.equal(out.tokens, plain.tokens)
     assert torch.equal(out.lengths, plain.lengths)
     torch.testing.assert_close(out.scores, plain.scores, rtol=1e-4, atol=1e-4)
@@ -82,8 +80,7 @@ def test_greedy_with_processors_and_eos_equals_plain(target, draft):
 
 def test_identical_draft_accepts_everything(target):
     cfg = dataclasses.replace(GREEDY, num_draft_tokens="4")
-    spec = _decoder(target, copy.deepcopy(target), cfg)
-    out = spec.run()
+    out, spec = _decoder(target, copy.deepcopy(target), cfg)
     assert torch.equal(out.tokens, generate_ids(target, PROMPTS, cfg).tokens)
     assert spec.acceptance_rate == 1.0
 
@@ -95,67 +92,44 @@ def _fresh_keys(model, ids: list[int]):
     return [k[0, :, : len(ids)] for k in cache.k], [v[0, :, : len(ids)] for v in cache.v]
 
 
-def _check_lane(lane, model, rows_tokens):
-    """Every row's unmasked cache entries equal a fresh prefill of its real tokens."""
-    n = lane.length
-    for r, ids in enumerate(rows_tokens):
-        valid = lane.mask[r, :n].bool()
-        assert int(valid.sum()) == len(ids)
-        ks, vs = _fresh_keys(model, ids)
-        for k, v, fk, fv in zip(lane.cache.k, lane.cache.v, ks, vs, strict=True):
-            torch.testing.assert_close(k[r, :, :n][:, valid], fk, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(v[r, :, :n][:, valid], fv, rtol=1e-4, atol=1e-5)
+def _check_slot(slot, model, ids):
+    """The slot's first len(ids) positions equal a fresh prefill of `ids`."""
+    assert slot.length == len(ids)
+    ks, vs = _fresh_keys(model, ids)
+    for k, v, fk, fv in zip(slot.k, slot.v, ks, vs, strict=True):
+        torch.testing.assert_close(k[0, :, : len(ids)], fk, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v[0, :, : len(ids)], fv, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("k", ["1", "2", "3", "5"])
 def test_caches_equal_a_fresh_prefill_after_every_round(target, draft, k, monkeypatch):
+    """After each rollback the target's slot holds every token but the last, the draft's a
+    prefix of that (it lacks the K-th draft's successor when all were kept)."""
     cfg = dataclasses.replace(GREEDY, num_draft_tokens=k, max_dec_len=20)
-    lanes = {}
-    real_init = SpeculativeDecoder._round
+    seen = {"rounds": 0, "short": 0}
+    real = Speculator.rollback
 
-    def spy(self, tgt, dft, *a, **kw):
-        lanes["t"], lanes["d"] = tgt, dft
-        return real_init(self, tgt, dft, *a, **kw)
+    def spy(s):
+        real(s)
+        toks = s.tokens
+        _check_slot(s.slot, target, toks[:-1])
+        assert len(toks) - 2 <= s.dslot.length <= len(toks) - 1
+        seen["short"] += s.dslot.length == len(toks) - 2
+        _check_slot(s.dslot, draft, toks[: s.dslot.length])
+        seen["rounds"] += 1
 
-    monkeypatch.setattr(SpeculativeDecoder, "_round", spy)
-    spec = _decoder(target, draft, cfg)
-    accepted_counts = set()
-    rounds = 0
-    last = 0
-    for _ in spec:
-        if spec.rounds == last or "t" not in lanes:
-            continue
-        last = spec.rounds
-        rounds += 1
-        accepted_counts.add(spec.accepted)
-        alive = spec.lengths < cfg.max_dec_len
-        gen = [spec.tokens[r, : int(spec.lengths[r])].tolist() for r in range(len(PROMPTS))]
-        # the target holds everything but the last token; the draft also lacks a pending token
-        t_rows = [PROMPTS[r] + gen[r][:-1] for r in range(len(PROMPTS)) if alive[r]]
-        if len(t_rows) == len(PROMPTS):
-            _check_lane(lanes["t"], target, t_rows)
-            d_rows = []
-            for r in range(len(PROMPTS)):
-                pending = 2 if bool(lanes_has2(spec, lanes, r)) else 1
-                d_rows.append(PROMPTS[r] + gen[r][:-pending])
-            _check_lane(lanes["d"], draft, d_rows)
-    assert rounds >= 3
+    monkeypatch.setattr(Speculator, "rollback", staticmethod(spy))
+    out, stats = _decoder(target, draft, cfg)
+    assert torch.equal(out.tokens, generate_ids(target, PROMPTS, cfg).tokens)
+    assert seen["rounds"] >= 3 and 0 < stats.accepted < stats.drafted
 
 
-def lanes_has2(spec, lanes, r):
-    """Whether row r's draft cache lacks two tokens (all drafts accepted last round)."""
-    n = lanes["d"].length
-    gen = int(spec.lengths[r])
-    return int(lanes["d"].mask[r, :n].sum()) == len(PROMPTS[r]) + gen - 2
-
-
-def test_compaction_keeps_every_row_correct(target, draft):
-    """Many rows with different acceptance fill the cache with holes; compaction must keep the
-    output equal to plain greedy."""
+def test_many_rows_with_different_acceptance_equal_plain(target, draft):
+    """Many rows accepting different counts in the same steps: every row equals plain greedy."""
     prompts = [[i + 1, 2 * i + 3, 7] for i in range(12)]
     cfg = dataclasses.replace(GREEDY, num_draft_tokens="5", max_dec_len=40)
-    spec = _decoder(target, _draft_of(target, layers=1, noise=0.05), cfg, prompts)
-    assert torch.equal(spec.run().tokens, generate_ids(target, prompts, cfg).tokens)
+    out, _ = _decoder(target, _draft_of(target, layers=1, noise=0.05), cfg, prompts)
+    assert torch.equal(out.tokens, generate_ids(target, prompts, cfg).tokens)
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -222,8 +196,8 @@ def test_pruned_and_int8_drafts_of_the_same_model(target):
     plain = generate_ids(target, PROMPTS, cfg)
     rates = []
     for d in (pruned, int8):
-        spec = _decoder(target, d, cfg)
-        assert torch.equal(spec.run().tokens, plain.tokens)
+        out, spec = _decoder(target, d, cfg)
+        assert torch.equal(out.tokens, plain.tokens)
         rates.append(spec.acceptance_rate)
     # pruning an untrained model changes it a lot; INT8 rounding barely does
     assert rates[0] > 0.0 and rates[1] > 0.6, rates

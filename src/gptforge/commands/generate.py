@@ -111,8 +111,8 @@ def stream_mode(args: argparse.Namespace, g, prompts: list[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptforge.commands.common import load_model_and_tokenizer
     from gptforge.generate import check_config
+    from gptforge.generate.loader import load_draft, load_runnable
 
     require_ckpt(args)
     if args.batch_size < 1:
@@ -122,27 +122,10 @@ def run(args: argparse.Namespace) -> int:
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
     device = select_device(cfg.Global.device)
-    model, cfg, tok = load_model_and_tokenizer(args, cfg, device=device)
-    draft = load_draft_for(cfg, tok, args.ckpt, device=device)
+    model, cfg, tok = load_runnable(args.ckpt, cfg, device=device)
+    draft = (load_draft(cfg.Generation.draft, tokenizer=tok, target_name=args.ckpt, device=device)
+             if cfg.Generation.draft else None)
     return emit(model, tok, prompts, cfg, args, do_stream, "generate", draft=draft)
-
-
-def load_draft_for(cfg, tok, target: str, device=None, threads: int | None = None):
-    """The `Generation.draft` model for speculative decoding (None when unset): a model
-    directory of any format, or an ONNX export (run in onnxruntime); its tokenizer must be `tok`'s."""
-    from gptforge.export.common import META_FILE
-    from gptforge.generate.speculative import check_same_tokenizer, load_draft
-
-    path = cfg.Generation.draft
-    if not path:
-        return None
-    if (Path(path) / META_FILE).is_file():
-        from gptforge.export.ort_generate import load_onnx_dir
-
-        backend, _, dtok = load_onnx_dir(path, threads=threads)
-        check_same_tokenizer(dtok, tok, path, target)
-        return backend
-    return load_draft(path, device=device, tokenizer=tok, target_name=target)
 
 
 def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str,

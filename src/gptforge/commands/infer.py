@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gptforge.commands.export import EXTRA_HINT
     from gptforge.commands.generate import emit, read_prompts, stream_mode
-    from gptforge.export.common import load_export_config, read_export_dir
+    from gptforge.export.export_dir import load_export_config, read_export_dir
     from gptforge.generate import check_config
 
     if not args.onnx:
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_export_config(path, args.config, args.override)
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
-    from gptforge.commands.generate import load_draft_for
-    from gptforge.export.ort_generate import load_onnx_dir
+    from gptforge.generate.loader import load_draft, load_runnable
 
-    backend, cfg, tok = load_onnx_dir(path, cfg, int8_gemm=args.int8_gemm, threads=args.threads)
-    draft = load_draft_for(cfg, tok, args.onnx, threads=args.threads)
+    backend, cfg, tok = load_runnable(path, cfg, int8_gemm=args.int8_gemm, threads=args.threads)
+    draft = (load_draft(cfg.Generation.draft, tokenizer=tok, target_name=args.onnx, threads=args.threads)
+             if cfg.Generation.draft else None)
     return emit(backend, tok, prompts, cfg, args, do_stream, "infer", draft=draft)

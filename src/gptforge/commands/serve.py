@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from gptforge.commands.common import add_config_args, add_sampling_args
-from gptforge.errors import ConfigError, UsageError
+from gptforge.errors import UsageError
 
 EXTRA_HINT = "pip install 'gptforge[serve]'"
 
@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: max-batch-size x context length)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="sequences waiting for a slot before new requests get 429 (default 256)")
-    p.add_argument("--prefill-tokens", type=int, default=32, metavar="N",
-                   help="prompt tokens prefilled per step beside the running decodes, a multiple of 32 (default 32)")
+    p.add_argument("--prefill-tokens", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step beside the running decodes, a multiple of 32; larger: new "
+                        "requests get their first token sooner, running streams pause longer (default 512)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let running requests finish before aborting them (default 30)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the plain-text one, docs/serve.md)")
@@ -99,38 +100,31 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def load_served_model(args: argparse.Namespace):
     """(our model or an onnxruntime StepBackend, config, tokenizer) for `--ckpt` / `--backend`."""
-    if args.backend == "onnx":
-        from gptforge.commands.export import EXTRA_HINT as EXPORT_HINT
-        from gptforge.export.common import load_export_config, read_export_dir
+    from gptforge.generate.loader import load_runnable
 
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
-            raise UsageError(f"--backend onnx needs onnxruntime, which is not installed: {EXPORT_HINT}") from None
-        from gptforge.export.ort_generate import load_onnx_dir
+    if args.backend == "onnx":
+        from gptforge.export.export_dir import load_export_config, read_export_dir
 
         path, _ = read_export_dir(args.ckpt, "onnx")
-        cfg = load_export_config(path, args.config, args.override)
-        return load_onnx_dir(path, cfg, threads=args.threads)
-    from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
+        return load_runnable(path, load_export_config(path, args.config, args.override), threads=args.threads)
+    from gptforge.commands.common import config_from_args, select_device
 
     cfg = config_from_args(args)
-    return load_model_and_tokenizer(args, cfg, device=select_device(cfg.Global.device))
+    return load_runnable(args.ckpt, cfg, device=select_device(cfg.Global.device))
 
 
 def load_served_draft(args: argparse.Namespace, model, cfg, tok):
-    """The `Generation.draft` model for speculative decoding (None when unset); its tokenizer
-    must be the target's. The onnx backend has no ragged slots to verify drafts in."""
+    """The `Generation.draft` model for speculative decoding (None when unset), any kind the
+    loader reads; its tokenizer must be the target's."""
     if not cfg.Generation.draft:
         return None
-    if args.backend == "onnx":
-        raise ConfigError(f"Generation.draft={cfg.Generation.draft}: speculative decoding in gptforge serve needs "
-                          "--backend torch (the onnx backend has no ragged slots); unset Generation.draft")
-    from gptforge.commands.generate import load_draft_for
+    from gptforge.generate.loader import load_draft
     from gptforge.generate.speculative import parse_num_draft_tokens
 
     parse_num_draft_tokens(cfg.Generation.num_draft_tokens)  # before loading anything
-    return load_draft_for(cfg, tok, args.ckpt, device=model.wte.weight.device)
+    device = model.wte.weight.device if hasattr(model, "wte") else None
+    return load_draft(cfg.Generation.draft, tokenizer=tok, target_name=args.ckpt, device=device,
+                      threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -137,55 +137,29 @@ class GPTForgeLM(TemplateLM):
             if max_ctx < 1:
                 raise UsageError(f"max_gen_toks={max_new} leaves no room for context in a "
                                  f"{self.max_length}-token window")
-            order = sorted(idx, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
-            for b in range(0, len(order), self.batch_size):
-                chunk = order[b:b + self.batch_size]
-                ctxs = [self.tok_encode(requests[i].args[0])[-max_ctx:] or [self.eot_token_id] for i in chunk]
-                for i, text in zip(chunk, self._generate(ctxs, max_new, until, temperature if do_sample else 0.0),
-                                   strict=True):
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                bar.update(len(chunk))
+            # The whole group at once: the engine keeps `batch_size` of them decoding together.
+            ctxs = [self.tok_encode(requests[i].args[0])[-max_ctx:] or [self.eot_token_id] for i in idx]
+            for i, text in zip(idx, self._generate(ctxs, max_new, until, temperature if do_sample else 0.0),
+                               strict=True):
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            bar.update(len(idx))
         bar.close()
         return out  # type: ignore[return-value]
 
     def _generate(self, ctxs: list[list[int]], max_new: int, until: list[str], temperature: float) -> list[str]:
-        """Batched decoding with `gptforge.generate` (left padding, KV cache), stopping each row
-        at EOS or at the first stop sequence in its text."""
-        from gptforge.generate import (
-            ProcessorList,
-            Temperature,
-            TokenDecoder,
-            TorchBackend,
-            VocabLimit,
-            left_pad,
-        )
+        """Decoding with the engine (continuous batching of up to `batch_size` contexts), each
+        continuation ending at EOS or cut before its first stop sequence."""
+        from gptforge.generate.backend import TorchBackend
+        from gptforge.generate.engine import SamplingParams
+        from gptforge.generate.engine.offline import offline_engine, run_requests
 
-        eos = self.eot_token_id
-        procs = ProcessorList([VocabLimit(self.vocab_size)] if self.vocab_size is not None else [])
-        warpers = ProcessorList([Temperature(temperature)]) if temperature > 0 else None
-        gen: list[list[int]] = [[] for _ in ctxs]
-        done = [False] * len(ctxs)
+        params = SamplingParams(max_tokens=max_new, temperature=temperature, stop=[s for s in until if s])
         with TorchBackend(self.model) as be:
-            dec = TokenDecoder(be, left_pad(ctxs, eos, be.device), max_new_tokens=max_new, greedy=temperature <= 0,
-                               processors=procs, warpers=warpers, eos_token_ids=[eos], pad_token_id=eos)
-            for nxt in dec:
-                for r, t in enumerate(nxt.tolist()):
-                    if not done[r]:
-                        done[r] = t == eos
-                        if not done[r]:
-                            gen[r].append(t)
-                            done[r] = any(stop in self.tok_decode(gen[r]) for stop in until)
-                if all(done):
-                    break
-        texts = []
-        for g in gen:
-            text = self.tok_decode(g)
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            texts.append(text)
-        return texts
+            core = offline_engine(be, eos_token_ids=[self.eot_token_id], vocab_limit=self.vocab_size,
+                                  max_batch_size=self.batch_size, tokenizer=self.tokenizer)
+            seqs = run_requests(core, ctxs, params)
+        return [s.text_state.text for s in seqs]  # the whole text, cut before a stop sequence
 
 
 def _load(ckpt: str, device: str | None):

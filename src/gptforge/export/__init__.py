@@ -7,8 +7,8 @@
 - `export_torch(...)`: the same step function as a `torch.export` program (`model.pt2`);
 - `save_gguf(model, "model.gguf", tokenizer, "q8_0")`: one GGUF file for llama.cpp (gpt2
   architecture; f32, f16, q8_0, q4_0), tokenizer included;
-- `load_onnx_dir(dir)` → (`OrtBackend`, config, tokenizer): an onnxruntime `StepBackend`
-  for `gptforge.generate`; `load_program(dir)` reloads a `.pt2` export.
+- `load_program(dir)` reloads a `.pt2` export (ONNX exports run through
+  `gptforge.generate.load_runnable(dir)`, an onnxruntime `StepBackend`).
 
 onnx / onnxruntime / gguf are imported only by the functions that need them (extra `export`).
 """
@@ -23,7 +23,6 @@ def __getattr__(name: str):
     # The ONNX / torch.export modules register custom ops and pull in more: load on first use.
     lazy = {"export_onnx": "gptforge.export.onnx", "ExportReport": "gptforge.export.program",
             "export_torch": "gptforge.export.torch_export", "load_program": "gptforge.export.torch_export",
-            "OrtBackend": "gptforge.export.ort_generate", "load_onnx_dir": "gptforge.export.ort_generate",
             "to_qdq": "gptforge.export.qdq", "save_gguf": "gptforge.export.gguf"}
     if name in lazy:
         import importlib
@@ -32,6 +31,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gptforge.export' has no attribute {name!r}")
 
 
-__all__ = ["FORMATS", "META_FILE", "PRECISIONS", "ExportReport", "OrtBackend", "export_onnx", "export_torch",
-           "fold_quantization", "load_onnx_dir", "load_program", "model_kind", "save_gguf", "save_hf", "save_pruned_hf_dir",
+__all__ = ["FORMATS", "META_FILE", "PRECISIONS", "ExportReport", "export_onnx", "export_torch",
+           "fold_quantization", "load_program", "model_kind", "save_gguf", "save_hf", "save_pruned_hf_dir",
            "to_qdq"]

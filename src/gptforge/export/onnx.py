@@ -76,7 +76,7 @@ def check_onnx(path: Path, model: nn.Module, gm: nn.Module, report: ExportReport
     `model` for int8, else the traced float module `gm`."""
     from dataclasses import asdict
 
-    from gptforge.export.ort_generate import make_session, session_runner
+    from gptforge.export.ort_session import make_session, session_runner
     from gptforge.export.program import check_program
 
     sess, gemm = make_session(path, asdict(report))

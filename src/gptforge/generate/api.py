@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import difflib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,15 +27,19 @@ from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
 from gptforge.generate.backend import as_backend
 from gptforge.generate.beam import beam_search
+from gptforge.generate.engine.offline import offline_engine, run_requests
+from gptforge.generate.engine.output import IncrementalDecoder
+from gptforge.generate.engine.params import from_generation
+from gptforge.generate.engine.sequence import Request
+from gptforge.generate.engine.spec import SpecStats
+from gptforge.generate.loader import load_draft
 from gptforge.generate.memory import check_decode_fits
-from gptforge.generate.processors import LogitsProcessor, build_processors, build_warpers
-from gptforge.generate.search import PromptBatch, SearchOutput, TokenDecoder, left_pad
-from gptforge.generate.speculative import (
-    SpeculativeDecoder,
-    check_speculative,
-    load_draft,
-    parse_num_draft_tokens,
-)
+from gptforge.generate.processors import LogitsProcessor, build_processors
+from gptforge.generate.search import SearchOutput, left_pad
+from gptforge.generate.speculative import check_speculative
+
+__all__ = ["GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "fit_prompts", "generate",
+           "generate_ids", "special_ids", "stream"]
 
 STRATEGIES = ("sampling", "greedy_search", "beam_search")
 
@@ -115,37 +119,32 @@ def fit_prompts(prompts: Sequence[Sequence[int]], max_new: int, max_positions: i
     return out
 
 
-def _generator(cfg: GenerationConfig, device) -> torch.Generator | None:
-    if cfg.seed is None:
-        return None  # torch's global RNG (torch.manual_seed applies)
-    g = torch.Generator(device=device)
-    g.manual_seed(int(cfg.seed))
-    return g
-
-
-def _search(be, batch: PromptBatch, cfg: GenerationConfig, eos: list[int], pad: int,
-            vocab_limit: int | None, extra: Sequence[LogitsProcessor], draft=None):
-    """A `TokenDecoder` (greedy/sampling), a `SpeculativeDecoder` (with a `draft` backend) or
-    the finished beam-search output."""
-    procs = build_processors(cfg, batch.length, eos, vocab_limit, extra)
-    if draft is not None:
-        check_speculative(cfg)
-        greedy = cfg.decode_strategy == "greedy_search"
-        k, adaptive = parse_num_draft_tokens(cfg.num_draft_tokens)
-        return SpeculativeDecoder(be, draft, batch, num_draft_tokens=k, adaptive=adaptive,
-                                  max_new_tokens=cfg.max_dec_len, greedy=greedy, processors=procs,
-                                  warpers=None if greedy else build_warpers(cfg),
-                                  generator=_generator(cfg, be.device), eos_token_ids=eos, pad_token_id=pad,
-                                  num_return_sequences=cfg.num_return_sequences, early_finish=cfg.early_finish)
+def _decode(be, dbe, ids: list[list[int]], cfg: GenerationConfig, eos: list[int], pad: int,
+            vocab_limit: int | None, extra: Sequence[LogitsProcessor], batch_size: int | None = None,
+            on_finish=None) -> SearchOutput:
+    """Decode token-id prompts: beam search in batches of `batch_size`, else the engine
+    (continuous batching of up to `batch_size` prompts' sequences at once; default all)."""
     if cfg.decode_strategy == "beam_search":
-        return beam_search(be, batch, num_beams=cfg.num_beams, max_new_tokens=cfg.max_dec_len, processors=procs,
-                           eos_token_ids=eos, pad_token_id=pad, length_penalty=cfg.length_penalty,
-                           early_stopping=cfg.early_stopping, num_return_sequences=cfg.num_return_sequences)
-    greedy = cfg.decode_strategy == "greedy_search"
-    return TokenDecoder(be, batch, max_new_tokens=cfg.max_dec_len, greedy=greedy, processors=procs,
-                        warpers=None if greedy else build_warpers(cfg), generator=_generator(cfg, be.device),
-                        eos_token_ids=eos, pad_token_id=pad, num_return_sequences=cfg.num_return_sequences,
-                        early_finish=cfg.early_finish)
+        bs = batch_size or len(ids)
+        outs = []
+        for start in range(0, len(ids), bs):
+            batch = left_pad(ids[start:start + bs], pad, be.device)
+            procs = build_processors(cfg.repetition_penalty, cfg.min_dec_len, batch.length, eos, vocab_limit, extra)
+            outs.append(beam_search(be, batch, num_beams=cfg.num_beams, max_new_tokens=cfg.max_dec_len,
+                                    processors=procs, eos_token_ids=eos, pad_token_id=pad,
+                                    length_penalty=cfg.length_penalty, early_stopping=cfg.early_stopping,
+                                    num_return_sequences=cfg.num_return_sequences))
+            if on_finish is not None:
+                for _ in range(len(outs[-1].lengths)):
+                    on_finish(None)
+        return SearchOutput.concat(outs, pad)
+    params = from_generation(cfg)
+    core = offline_engine(be, eos_token_ids=eos, vocab_limit=vocab_limit,
+                          max_batch_size=(batch_size or len(ids)) * params.n, processors=extra,
+                          draft_backend=dbe, num_draft_tokens=cfg.num_draft_tokens)
+    seqs = run_requests(core, ids, params, on_finish)
+    width = cfg.max_dec_len if not cfg.early_finish else None
+    return SearchOutput.from_sequences(seqs, eos, pad, width, core.stats)
 
 
 def _resolve_draft(cfg: GenerationConfig, draft, tokenizer=None, device=None):
@@ -158,6 +157,8 @@ def _resolve_draft(cfg: GenerationConfig, draft, tokenizer=None, device=None):
 @contextlib.contextmanager
 def _backends(model, draft, cfg: GenerationConfig):
     """(target backend, draft backend or None), open for the duration."""
+    if draft is not None:
+        check_speculative(cfg)
     with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
         if draft is None:
             yield be, None
@@ -173,20 +174,21 @@ def _device_of(model):
 def generate_ids(model, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
                  eos_token_id: int | None = None, vocab_limit: int | None = None,
                  processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
-                 draft=None) -> SearchOutput:
+                 draft=None, batch_size: int | None = None) -> SearchOutput:
     """Generate from token-id prompts. `model`: our GPT or a `StepBackend`. `eos_token_id` is
     the default for `Generation.eos_token_id`/`pad_token_id`; ids >= `vocab_limit` are never
     generated. `draft` (a model or `StepBackend`; default: `Generation.draft` loaded) turns on
-    speculative decoding. Returns `SearchOutput` rows ordered prompt-major (`num_return_sequences` each)."""
+    speculative decoding. Returns `SearchOutput` rows ordered prompt-major (`num_return_sequences`
+    each); with a draft, `.speculative` holds its `SpecStats`."""
     cfg = config or GenerationConfig()
     check_config(cfg)
     eos, pad = special_ids(cfg, eos_token_id)
     draft = _resolve_draft(cfg, draft, device=_device_of(model))
     with _backends(model, draft, cfg) as (be, dbe):
         ids = fit_prompts(prompt_ids, cfg.max_dec_len, be.max_positions, be.vocab_size, truncate_prompt)
-        check_decode_fits(be, cfg, len(ids), max(map(len, ids), default=1), vocab_limit)
-        out = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, vocab_limit, processors, dbe)
-        return out if isinstance(out, SearchOutput) else out.run()
+        check_decode_fits(be, cfg, min(batch_size or len(ids), len(ids)), max(map(len, ids), default=1),
+                          vocab_limit)
+        return _decode(be, dbe, ids, cfg, eos, pad, vocab_limit, processors, batch_size)
 
 
 @dataclass
@@ -201,6 +203,7 @@ class GenerationResult:
     seconds: float = 0.0
     new_tokens: int = 0  # tokens generated in total (EOS included)
     prompt_tokens: list[int] = field(default_factory=list)
+    speculative: SpecStats | None = None  # with a draft: rounds, drafted, accepted, acceptance_rate
 
 
 def _prepare(model, tokenizer, prompts, config, device, truncate):
@@ -225,78 +228,41 @@ def _prepare(model, tokenizer, prompts, config, device, truncate):
 def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationConfig | None = None,
              device=None, *, processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
              batch_size: int | None = None, progress: bool = False, draft=None) -> GenerationResult:
-    """Generate continuations of text prompts (batched, left-padded). `device` moves the model
-    there first; `batch_size` splits many prompts into batches (default: one batch), with a
-    progress bar on stderr if `progress`. `draft` (a model or `StepBackend` with the same
-    tokenizer; default: `Generation.draft` loaded) turns on speculative decoding."""
+    """Generate continuations of text prompts. Greedy and sampling run the engine: continuous
+    batching of up to `batch_size` prompts at once (default: all), to completion; beam search
+    runs left-padded batches of `batch_size`. `device` moves the model there first; `progress`
+    shows a bar on stderr. `draft` (a model or `StepBackend` with the same tokenizer; default:
+    `Generation.draft` loaded) turns on speculative decoding."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompts, config, device, truncate_prompt)
     draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
     res = GenerationResult(texts, [], [], [], [], prompt_tokens=[len(p) for p in ids])
     n = cfg.num_return_sequences
-    bs = batch_size or len(ids)
     t0 = time.perf_counter()
-    with _backends(model, draft, cfg) as (be, dbe):
-        check_decode_fits(be, cfg, min(bs, len(ids)), max(map(len, ids), default=1), limit)
-        starts = range(0, len(ids), bs)
-        if progress:
-            from gptforge.progress import bar as progress_bar
+    bar = None
+    if progress:
+        from gptforge.progress import bar as progress_bar
 
-            starts = progress_bar(starts, desc="generate", unit="batch")
-        for start in starts:
-            chunk = ids[start: start + bs]
-            out = _search(be, left_pad(chunk, pad, be.device), cfg, eos, pad, limit, processors, dbe)
-            out = out if isinstance(out, SearchOutput) else out.run()
-            seqs = out.sequences()
-            res.new_tokens += int(out.lengths.sum())
-            for i in range(len(chunk)):
-                rows = range(i * n, (i + 1) * n)
-                res.token_ids.append([seqs[r] for r in rows])
-                res.texts.append([tokenizer.decode(seqs[r]) for r in rows])
-                res.scores.append([float(out.scores[r]) for r in rows])
-                res.finish_reasons.append(["eos" if out.finished[r] else "length" for r in rows])
+        bar = progress_bar(total=len(ids) * n, desc="generate", unit="seq")
+    with _backends(model, draft, cfg) as (be, dbe):
+        check_decode_fits(be, cfg, min(batch_size or len(ids), len(ids)), max(map(len, ids), default=1), limit)
+        out = _decode(be, dbe, ids, cfg, eos, pad, limit, processors, batch_size,
+                      on_finish=(lambda _ev: bar.update(1)) if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    seqs = out.sequences()
+    res.new_tokens = int(out.lengths.sum())
+    res.speculative = out.speculative
+    for i in range(len(ids)):
+        rows = range(i * n, (i + 1) * n)
+        res.token_ids.append([seqs[r] for r in rows])
+        res.texts.append([tokenizer.decode(seqs[r]) for r in rows])
+        res.scores.append([float(out.scores[r]) for r in rows])
+        res.finish_reasons.append(["eos" if out.finished[r] else "length" for r in rows])
     res.seconds = time.perf_counter() - t0
     return res
 
 
 # ------------------------------------------------------------------------------ streaming
-
-# Byte-level BPE splits many characters (accents, CJK, emoji) over several tokens; decoding a
-# prefix that ends inside a character yields U+FFFD. `IncrementalDecoder` decodes a short window
-# of recent tokens and holds a delta back while it ends in U+FFFD, so every emitted piece is
-# valid text and the pieces concatenate to the full decode (the approach of HF's
-# text-generation-inference).
-REPLACEMENT = "\ufffd"
-
-
-class IncrementalDecoder:
-    """Feed token ids one at a time with `push(id)`; each call returns the new complete text
-    ("" while a character is still incomplete). `flush()` returns whatever is left."""
-
-    def __init__(self, tokenizer, skip_ids: Iterable[int] = ()):
-        self.tokenizer = tokenizer
-        self.skip = set(skip_ids)
-        self.ids: list[int] = []
-        self.prefix = 0  # window start: the text before it was complete
-        self.read = 0  # end of what has been emitted
-
-    def push(self, token_id: int) -> str:
-        if token_id in self.skip:
-            return ""
-        self.ids.append(int(token_id))
-        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        """The rest of the text (an incomplete final character decodes as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self.prefix: self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before):]
-
 
 class TextStream:
     """Iterate to receive text deltas (complete characters only) of one continuation as it is
@@ -311,24 +277,23 @@ class TextStream:
         model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors = self._args
         t0 = time.perf_counter()
         with _backends(model, self._draft, cfg) as (be, dbe):
-            dec = _search(be, left_pad(ids, pad, be.device), cfg, eos, pad, limit, processors, dbe)
-            text = IncrementalDecoder(tokenizer)
-            for nxt in dec:
-                tok = int(nxt[0])
-                if tok in eos:
-                    break
-                piece = text.push(tok)
-                if piece:
-                    yield piece
-            rest = text.flush()
-            if rest:
-                yield rest
-            out = dec.output()
-        seq = out.sequences()[0]
+            core = offline_engine(be, eos_token_ids=eos, vocab_limit=limit, max_batch_size=1, processors=processors,
+                                  tokenizer=tokenizer, draft_backend=dbe, num_draft_tokens=cfg.num_draft_tokens)
+            events: list = []
+            seq = core.add(Request([ids[0]], from_generation(cfg), n=1, sink=events.append), bounded=False)[0]
+            while core.has_work:
+                with torch.inference_mode():
+                    core.step()
+                for ev in events:
+                    if ev.text:
+                        yield ev.text
+                events.clear()
+        toks = list(seq.generated)
+        ended = bool(toks) and toks[-1] in eos
+        kept = toks[:-1] if ended else toks
         self.result = GenerationResult(
-            [prompt], [[tokenizer.decode(seq)]], [[seq]], [[float(out.scores[0])]],
-            [["eos" if out.finished[0] else "length"]], time.perf_counter() - t0,
-            int(out.lengths.sum()), [len(ids[0])])
+            [prompt], [[tokenizer.decode(kept)]], [[kept]], [[seq.logprob_sum / max(len(toks), 1)]],
+            [["eos" if ended else "length"]], time.perf_counter() - t0, len(toks), [len(ids[0])], core.stats)
 
 
 def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None, device=None, *,

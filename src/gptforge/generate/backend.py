@@ -157,6 +157,7 @@ class TorchBackend:
         self._was_training = False
         self._open = False
         self._packed_rows = 0  # 0: not packed (yet)
+        self._slot_layout: tuple | None = None
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class TorchBackend:
 
     def __exit__(self, *exc) -> None:
         self._open = False
+        self._slot_layout = None
         self._unpack()
         self._packed_rows = 0
         self.model.train(self._was_training)
@@ -239,9 +241,11 @@ class TorchBackend:
 
     def new_slot(self, capacity: int):
         """KV buffers for one sequence of up to `capacity` positions."""
-        from gptforge.generate.slots import SeqSlot
+        from gptforge.generate.slots import SeqSlot, slot_layout
 
-        return SeqSlot.for_model(self.model, capacity)
+        if self._slot_layout is None:  # probed once per open backend (the model may change between uses)
+            self._slot_layout = slot_layout(self.model)
+        return SeqSlot.for_model(self.model, capacity, self._slot_layout)
 
     @torch.inference_mode()
     def step_ragged(self, batch) -> torch.Tensor:

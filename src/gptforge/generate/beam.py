@@ -31,6 +31,13 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.gather(1, index[:, :, None].expand(-1, -1, t.shape[2]))
 
 
+def _keep_best(nb: int, kept: tuple, new: tuple) -> tuple:
+    """The `nb` best finished hypotheses (by score, the first tensor) of `kept` + `new`, each a
+    tuple of [B, n, ...] tensors (scores, sequences, slot full, length, ended with EOS)."""
+    best = torch.cat([kept[0], new[0]], 1).topk(nb, dim=1)
+    return (best.values, *(_take(torch.cat([a, b], 1), best.indices) for a, b in zip(kept[1:], new[1:], strict=True)))
+
+
 @torch.inference_mode()
 def beam_search(backend, prompts: PromptBatch, *, num_beams: int, max_new_tokens: int,
                 processors: ProcessorList, eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
@@ -84,12 +91,9 @@ def beam_search(backend, prompts: PromptBatch, *, num_beams: int, max_new_tokens
         if early_stopping:
             accept &= ~fin_full.all(1, keepdim=True)
         new_scores = torch.where(accept, vals / float(t + 1) ** length_penalty, float("-inf"))
-        best = torch.cat([fin_scores, new_scores], 1).topk(nb, dim=1)
-        fin_scores = best.values
-        fin_seqs = _take(torch.cat([fin_seqs, cand_seqs], 1), best.indices)
-        fin_full = _take(torch.cat([fin_full, accept], 1), best.indices)
-        fin_len = _take(torch.cat([fin_len, torch.full_like(tok, t + 1)], 1), best.indices)
-        fin_eos = _take(torch.cat([fin_eos, is_eos], 1), best.indices)
+        fin_scores, fin_seqs, fin_full, fin_len, fin_eos = _keep_best(
+            nb, (fin_scores, fin_seqs, fin_full, fin_len, fin_eos),
+            (new_scores, cand_seqs, accept, torch.full_like(tok, t + 1), is_eos))
 
         # Running beams for the next step: the best candidates that did not stop.
         keep = (vals + stop.float() * _OUT).topk(nb, dim=1)

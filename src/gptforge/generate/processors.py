@@ -128,28 +128,29 @@ class TopP:
         return scores.masked_fill_(remove, float("-inf"))
 
 
-def build_processors(cfg, prompt_len: int, eos_token_ids: Sequence[int], vocab_limit: int | None,
+def build_processors(repetition_penalty: float, min_new_tokens: int, prompt_len: int,
+                     eos_token_ids: Sequence[int], vocab_limit: int | None,
                      extra: Iterable[LogitsProcessor] = ()) -> ProcessorList:
-    """Processors that apply to every strategy: repetition penalty, min_dec_len, vocab mask, then
-    the caller's own (`extra`)."""
+    """Processors that apply to every strategy: repetition penalty, min new tokens, vocab mask,
+    then the caller's own (`extra`)."""
     procs = ProcessorList()
-    if cfg.repetition_penalty != 1.0:
-        procs.append(RepetitionPenalty(cfg.repetition_penalty))
-    if cfg.min_dec_len > 0 and eos_token_ids:
-        procs.append(MinNewTokens(cfg.min_dec_len, prompt_len, eos_token_ids))
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenalty(repetition_penalty))
+    if min_new_tokens > 0 and eos_token_ids:
+        procs.append(MinNewTokens(min_new_tokens, prompt_len, eos_token_ids))
     if vocab_limit is not None:
         procs.append(VocabLimit(vocab_limit))
     procs.extend(extra)
     return procs
 
 
-def build_warpers(cfg) -> ProcessorList:
+def build_warpers(temperature: float, top_k: int, top_p: float) -> ProcessorList:
     """Sampling-only filters: temperature, top-k, top-p (in that order)."""
     warpers = ProcessorList()
-    if cfg.temperature != 1.0:
-        warpers.append(Temperature(cfg.temperature))
-    if cfg.top_k > 0:
-        warpers.append(TopK(cfg.top_k))
-    if cfg.top_p < 1.0:
-        warpers.append(TopP(cfg.top_p))
+    if temperature != 1.0:
+        warpers.append(Temperature(temperature))
+    if top_k > 0:
+        warpers.append(TopK(top_k))
+    if top_p < 1.0:
+        warpers.append(TopP(top_p))
     return warpers

@@ -1,4 +1,4 @@
-"""Per-sequence KV slots and the ragged step that continuous batching (`gptforge serve`) runs.
+"""Per-sequence KV slots and the ragged step that continuous batching (`generate.engine`) runs.
 
 A `SeqSlot` holds one sequence's keys/values, `[1, heads, capacity, head_dim]` per layer, sized
 for that sequence alone and freed with it. A `RaggedBatch` is one forward pass over several
@@ -38,11 +38,17 @@ class SeqSlot:
         self.length = length
 
     @classmethod
-    def for_model(cls, model: nn.Module, capacity: int) -> SeqSlot:
-        # The model's own cache factory knows its dtype (an INT8 model keeps float activations).
-        probe = model.new_cache(1, 1)
-        heads = [k.shape[1] for k in probe.k]
-        return cls(heads, capacity, probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device)
+    def for_model(cls, model: nn.Module, capacity: int, layout: tuple | None = None) -> SeqSlot:
+        """A slot shaped like `model`'s cache (`layout`: `slot_layout(model)`, if already known)."""
+        heads, head_dim, dtype, device = layout or slot_layout(model)
+        return cls(heads, capacity, head_dim, dtype, device)
+
+
+def slot_layout(model: nn.Module) -> tuple:
+    """(heads per layer, head dim, dtype, device) of `model`'s KV cache. The model's own cache
+    factory knows them (an INT8 model keeps float activations; a pruned one has fewer heads)."""
+    probe = model.new_cache(1, 1)
+    return [k.shape[1] for k in probe.k], probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device
 
 
 @dataclass
@@ -62,11 +68,14 @@ class RaggedBatch:
     def __init__(self, segments: Sequence[Segment], device):
         self.segments = list(segments)
         ids, pos, want, offset = [], [], [], 0
+        filled: dict[int, int] = {}  # a slot may get several consecutive segments (prompt chunks) in one step
         for s in self.segments:
             n = len(s.token_ids)
-            if s.slot.length != s.start or s.start + n > s.slot.capacity:
-                raise ValueError(f"slot holds {s.slot.length} of {s.slot.capacity} positions; cannot add {n} "
+            have = filled.get(id(s.slot), s.slot.length)
+            if have != s.start or s.start + n > s.slot.capacity:
+                raise ValueError(f"slot holds {have} of {s.slot.capacity} positions; cannot add {n} "
                                  f"tokens at {s.start}")
+            filled[id(s.slot)] = s.start + n
             ids += s.token_ids
             pos += range(s.start, s.start + n)
             offset += n
@@ -80,7 +89,8 @@ class RaggedBatch:
         self.length = 0  # read by `hidden_states` as the shared start; positions are explicit here
 
     def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
-        """Store each sequence's new keys/values in its slot and attend over that slot only."""
+        """Store each sequence's new keys/values in its slot and attend over that slot only (a
+        later segment of the same slot sees the keys an earlier one just wrote)."""
         outs, o = [], 0
         for s in self.segments:
             n, start, slot = len(s.token_ids), s.start, s.slot
@@ -97,7 +107,7 @@ class RaggedBatch:
     def commit(self) -> None:
         """Advance every slot past the tokens this step wrote (after the forward pass)."""
         for s in self.segments:
-            s.slot.length = s.start + len(s.token_ids)
+            s.slot.length = max(s.slot.length, s.start + len(s.token_ids))
 
 
 class RaggedSlots:
@@ -129,7 +139,8 @@ class _SeqCache:
 
 class SequentialSlots:
     """The same interface over any `StepBackend`: a batch-1 cache per sequence, one backend step
-    per segment (sequences take turns within a step; no batching of the matrix products)."""
+    per segment (sequences take turns within a step; no batching of the matrix products). A
+    backend with `step_all` can verify draft tokens (logits of every position)."""
 
     ragged = False
 
@@ -144,15 +155,18 @@ class SequentialSlots:
     def step(self, segments: Sequence[Segment]) -> torch.Tensor:
         rows = []
         for s in segments:
-            if s.all_logits:  # the engine checks `ragged` before asking; never silently wrong
-                raise ValueError("SequentialSlots cannot return the logits of every position")
+            if s.all_logits and not hasattr(self.backend, "step_all"):  # never silently wrong
+                raise ValueError(f"{type(self.backend).__name__} cannot return the logits of every position")
             n = len(s.token_ids)
             ids = torch.tensor([s.token_ids], dtype=torch.long, device=self.device)
             pos = torch.arange(s.start, s.start + n, device=self.device)[None]
-            logits = self.backend.step(ids, pos, None, s.slot.cache)
+            if s.all_logits:
+                rows.extend(self.backend.step_all(ids, pos, None, s.slot.cache)[0].float())
+            else:
+                logits = self.backend.step(ids, pos, None, s.slot.cache)
+                if s.want_logits:
+                    rows.append(logits[0].float())
             s.slot.length = s.start + n
-            if s.want_logits:
-                rows.append(logits[0].float())
         if not rows:
             return torch.empty(0, self.backend.vocab_size)
         return torch.stack(rows)

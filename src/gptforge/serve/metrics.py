@@ -29,6 +29,20 @@ class ServeMetrics:
         self.itl = Histogram("gptforge_inter_token_latency_seconds", "time between two tokens of a sequence",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
+    # -- the engine's metrics hooks (`generate.engine`: output processor, speculator, service) --
+
+    def on_token(self, first: bool, seconds: float) -> None:
+        self.generation_tokens.inc()
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def on_draft(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens.inc(drafted)
+        self.draft_accepted_tokens.inc(accepted)
+
+    def on_queue(self, waiting: int, running: int) -> None:
+        self.queue_depth.set(waiting)
+        self.batch_size.set(running)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

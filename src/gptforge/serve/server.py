@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.errors import ConfigError
-from gptforge.generate.backend import PREFILL_CHUNK, TorchBackend
+from gptforge.generate.backend import TorchBackend
+from gptforge.generate.engine import EngineCore, EngineService, SchedulerConfig
 from gptforge.generate.slots import slots_for
 from gptforge.serve.app import ServeState, create_app, prompt_char_limit
 from gptforge.serve.chat import ChatTemplate
-from gptforge.serve.engine import Engine
 from gptforge.serve.metrics import ServeMetrics
 
 
@@ -31,7 +31,7 @@ class ServeOptions:
     max_batch_size: int = 16
     max_tokens_in_flight: int | None = None
     max_queue: int = 256
-    prefill_tokens: int = PREFILL_CHUNK
+    prefill_tokens: int = SchedulerConfig.prefill_tokens  # prompt tokens per step beside the decodes
     drain_timeout: float = 30.0
     chat_template: str | None = None
     public_metrics: bool = False  # /metrics open without the API key
@@ -51,7 +51,7 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     """A started engine and the app state over our model (ragged batching) or any StepBackend
     (e.g. onnxruntime: one batch-1 step per sequence). `draft` (a model or StepBackend with the
     same tokenizer, already checked) turns on speculative decoding with
-    `generation.num_draft_tokens`; the target must be our model (ragged slots)."""
+    `generation.num_draft_tokens`; the target must score several tokens per step (ours, ONNX)."""
     from gptforge.generate.api import special_ids
     from gptforge.generate.speculative import parse_num_draft_tokens
 
@@ -63,10 +63,9 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     slots = slots_for(backend)
     draft_slots = draft_max = None
     if draft is not None:
-        if not slots.ragged:
-            raise ConfigError(f"Generation.draft={generation.draft}: the {type(backend).__name__} target has no "
-                              "ragged slots to verify draft tokens in; serve it with --backend torch or unset "
-                              "Generation.draft")
+        if not (slots.ragged or (hasattr(backend, "step_all") and getattr(backend, "use_cache", True))):
+            raise ConfigError(f"Generation.draft={generation.draft}: the {type(backend).__name__} target cannot "
+                              "score several tokens per step to verify draft tokens; unset Generation.draft")
         parse_num_draft_tokens(generation.num_draft_tokens)
         # The target itself as its own draft shares one open backend (and its packed weights).
         dbe = backend if draft is model_or_backend else _open(draft, generation, closers)
@@ -79,11 +78,12 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     eos, _ = special_ids(generation, tokenizer.eos_token_id)
     limit = tokenizer.vocab_size if tokenizer.vocab_size < backend.vocab_size else None
     metrics = ServeMetrics()
-    engine = Engine(slots, tokenizer, eos_token_ids=eos, vocab_limit=limit,
-                    max_positions=backend.max_positions, max_batch_size=opts.max_batch_size,
-                    max_tokens_in_flight=opts.max_tokens_in_flight, max_queue=opts.max_queue,
-                    prefill_tokens=opts.prefill_tokens, metrics=metrics, draft_slots=draft_slots,
-                    num_draft_tokens=generation.num_draft_tokens, draft_max_positions=draft_max).start()
+    sched = SchedulerConfig(max_batch_size=opts.max_batch_size, max_tokens_in_flight=opts.max_tokens_in_flight,
+                            max_queue=opts.max_queue, prefill_tokens=opts.prefill_tokens)
+    core = EngineCore(slots, eos_token_ids=eos, vocab_limit=limit, max_positions=backend.max_positions,
+                      tokenizer=tokenizer, scheduler=sched, metrics=metrics, draft_slots=draft_slots,
+                      num_draft_tokens=generation.num_draft_tokens, draft_max_positions=draft_max)
+    engine = EngineService(core).start()
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
                       ChatTemplate(opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
                       max_body_bytes=opts.max_body_bytes, request_timeout=opts.request_timeout,

@@ -14,7 +14,7 @@ Paths and how to force one (an argument wins over the environment; `auto` = not 
   row q as max(q, 0) and max(-q, 0) with zero point 0 (bytes <= 127 cannot overflow), exact on
   every CPU, for twice the rows. `auto`: `plain` where exact (the same call on half the rows),
   else `split`. Forced: `kernel=` or `GPTFORGE_INT8_KERNEL=auto|split|plain`.
-- onnxruntime, fused QDQ MatMuls (`export/ort_generate.py`): `on` = its int8 GEMM for the
+- onnxruntime, fused QDQ MatMuls (`generate/ort_backend.py`): `on` = its int8 GEMM for the
   graph's storage (u8·u8 for uint8-stored graphs, s8 for int8-stored ones), `off` = the QDQ
   graph unfused (products in fp32: exact, fp32 speed). `auto`: `on` where that kernel's probe
   is exact, else `off`. Forced: `--int8-gemm` or `GPTFORGE_ORT_INT8_GEMM=auto|on|off`.

@@ -1,0 +1,121 @@
+"""The sampler: processed scores, the next token (greedy or sampled) and log-probabilities, for
+every client and for speculative proposals and verification alike: the one place where logits
+become tokens.
+
+Each sequence gets its processors (repetition penalty, min new tokens, vocabulary mask, the
+caller's own), its warpers (temperature, top-k, top-p; sampling only) and its generator. Rows
+are processed in groups that share processors and history length (one stacked call), which is
+what a lone sequence computes: every processor and softmax works row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from gptforge.generate.engine.params import SamplingParams
+from gptforge.generate.processors import LogitsProcessor, ProcessorList, build_processors, build_warpers
+
+
+@dataclass
+class SeqSampling:
+    processors: ProcessorList
+    warpers: ProcessorList | None  # None: greedy
+    generator: torch.Generator | None  # None: torch's global RNG (or greedy)
+
+
+@dataclass
+class Scored:
+    """Processed scores [R, V] (what greedy picks from and log-probs are taken of) and, for
+    sampled rows, the sampling distribution [R, V] after the warpers (other rows: unused)."""
+
+    scores: torch.Tensor
+    probs: torch.Tensor | None
+
+    def logprobs(self) -> torch.Tensor:
+        return torch.log_softmax(self.scores, dim=-1)
+
+
+class Sampler:
+    """Turns logits into tokens for sequences (see the module docstring)."""
+
+    def __init__(self, eos_token_ids: Seq[int], vocab_limit: int | None, device,
+                 extra: Seq[LogitsProcessor] = ()):
+        self.eos = list(eos_token_ids)
+        self.vocab_limit = vocab_limit
+        self.device = device
+        self.extra = list(extra)
+        self._shared: dict[tuple, tuple[ProcessorList, ProcessorList | None]] = {}
+
+    def setup(self, seq) -> None:
+        """Give `seq` its processors, warpers and generator (once, when it is admitted)."""
+        p: SamplingParams = seq.params
+        key = (id(p), len(seq.prompt))
+        if key not in self._shared:  # sequences of one request and prompt length share them (stacked calls)
+            procs = build_processors(p.repetition_penalty, p.min_tokens, len(seq.prompt), self.eos,
+                                     self.vocab_limit, self.extra)
+            warpers = None if p.greedy else build_warpers(p.temperature or 1.0, max(p.top_k, 0), p.top_p)
+            self._shared[key] = (procs, warpers)
+        procs, warpers = self._shared[key]
+        gen = None
+        if not p.greedy and p.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(p.seed) + seq.index % seq.req.n)
+        seq.sampling = SeqSampling(procs, warpers, gen)
+
+    def forget(self, params: SamplingParams) -> None:
+        """Drop the shared processors of a finished request."""
+        for key in [k for k in self._shared if k[0] == id(params)]:
+            del self._shared[key]
+
+    def score(self, rows: Seq[tuple[object, Seq[int]]], logits: torch.Tensor) -> Scored:
+        """Scores of `logits` [R, V]; row r belongs to sequence `rows[r][0]` whose history is its
+        tokens followed by `rows[r][1]` (draft tokens being proposed or verified)."""
+        logits = logits.float()
+        groups: dict[tuple, list[int]] = {}
+        for r, (seq, extra) in enumerate(rows):
+            s = seq.sampling
+            groups.setdefault((id(s.processors), id(s.warpers), len(seq.prompt) + len(seq.generated) + len(extra)),
+                              []).append(r)
+        any_sampled = any(seq.sampling.warpers is not None for seq, _ in rows)
+        if len(groups) == 1 and not rows[0][0].sampling.processors:
+            scores = logits
+        else:
+            scores = torch.empty_like(logits)
+        probs = torch.empty_like(logits) if any_sampled else None
+        for idx in groups.values():
+            s0 = rows[idx[0]][0].sampling
+            hist = None
+            if s0.processors or s0.warpers:
+                hist = torch.tensor([rows[r][0].tokens + list(rows[r][1]) for r in idx], dtype=torch.long,
+                                    device=logits.device)
+            sel = torch.tensor(idx, dtype=torch.long, device=logits.device)
+            part = logits.index_select(0, sel) if len(idx) != logits.shape[0] else logits.clone()
+            part = s0.processors(hist, part) if s0.processors else part
+            if scores is not logits:
+                scores[sel] = part
+            if s0.warpers is not None:
+                probs[sel] = s0.warpers(hist, part.clone()).softmax(dim=-1)
+        return Scored(scores, probs)
+
+    def choose(self, rows: Seq[tuple[object, Seq[int]]], scored: Scored, on_error=None) -> list[int | None]:
+        """The next token of every row: the argmax (greedy) or a draw from its distribution with
+        the sequence's generator. With `on_error(seq, exc)`, a row whose draw fails gets None (the
+        other rows' draws are made once, as alone); without, the failure propagates."""
+        best = scored.scores.argmax(dim=-1).tolist()
+        out: list[int | None] = []
+        for r, (seq, _) in enumerate(rows):
+            s = seq.sampling
+            if s.warpers is None:
+                out.append(int(best[r]))
+                continue
+            try:
+                out.append(int(torch.multinomial(scored.probs[r:r + 1], 1, generator=s.generator)))
+            except Exception as e:  # noqa: BLE001 - e.g. a nan distribution: this row's failure
+                if on_error is None:
+                    raise
+                on_error(seq, e)
+                out.append(None)
+        return out
