@@ -343,7 +343,7 @@ def test_user_errors(run_cli, trained, planted, tmp_path):
     _, _, ckpt = trained
     fdir, qdir = planted["weight"]
     cases = [
-        (["analyze"], "--qat-ckpt"),
+        (["analyze"], "--ckpt"),
         (["analyze", "--qat-ckpt", fdir, "--metric", "loss"], "no fake-quant Linear"),
         (["analyze", "--qat-ckpt", qdir, "--metric", "acc"], "Offline_Eval.eval_path"),
         (["analyze", "--mode", "ptq", "--qat-ckpt", qdir, "--float-ckpt", fdir], "not both"),

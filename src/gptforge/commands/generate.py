@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     check_config(cfg.Generation)
     do_stream = stream_mode(args, cfg.Generation, prompts)
     device = select_device(cfg.Global.device)
-    model, cfg, tok = load_runnable(args.ckpt, cfg, device=device)
+    model, cfg, tok = load_runnable(args.ckpt, cfg, device=device, adapter=getattr(args, "adapter", None))
     draft = (load_draft(cfg.Generation.draft, tokenizer=tok, target_name=args.ckpt, device=device)
              if cfg.Generation.draft else None)
     return emit(model, tok, prompts, cfg, args, do_stream, "generate", draft=draft)

@@ -29,12 +29,15 @@ def _need_onnxruntime(what: str) -> None:
 
 
 def load_runnable(path: str | os.PathLike, cfg=None, *, config_file: str | None = None, overrides=(),
-                  device=None, threads: int | None = None, int8_gemm: str = "auto"):
+                  device=None, threads: int | None = None, int8_gemm: str = "auto", adapter=None):
     """(our model in eval mode or an `OrtBackend`, its config, its tokenizer) from `path`.
     `cfg` (a resolved config) or `config_file` + `overrides` (`-c` / `-o`) adjust the saved
     config; the shape always comes from the checkpoint. `device`: our models; `threads` and
-    `int8_gemm`: onnxruntime."""
+    `int8_gemm`: onnxruntime; `adapter`: a LoRA/DoRA directory applied over our model."""
     if is_export_dir(path, "onnx"):
+        if adapter:
+            raise UsageError(f"--adapter {adapter}: adapters apply to model directories, not to the ONNX export "
+                             f"{path}; merge it before exporting (gptforge export --adapter)")
         _need_onnxruntime(f"{path} (an ONNX export)")
         from gptforge.generate.ort_backend import load_onnx_dir
 
@@ -49,6 +52,10 @@ def load_runnable(path: str | os.PathLike, cfg=None, *, config_file: str | None 
     if cfg is None:
         cfg = load_run_config(config_file, overrides, ckpt_dir=path)
     model, cfg = load_model(p, cfg, device=device)
+    if adapter:
+        from gptforge.adapters.peft_format import apply_adapter
+
+        model = apply_adapter(model, adapter)
     own = p.is_dir() and ((p / "tokenizer.json").is_file() or (p / "vocab.json").is_file())
     tok = load_tokenizer(None, p) if own else load_tokenizer(cfg.Data.tokenizer, p if p.is_dir() else None)
     return model, cfg, tok
