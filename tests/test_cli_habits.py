@@ -116,12 +116,20 @@ def test_generate_flags_run_what_the_overrides_run(model_dir, tmp_path, run_cli)
     assert len(json.loads((tmp_path / "a.json").read_text())["results"][0]["completions"][0]["token_ids"]) <= 6
 
 
-def test_serve_refuses_sampling_flags_it_would_ignore(run_cli):
-    code, _, err = run_cli("serve", "--ckpt", "x", "--temperature", "0.5")
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("gptforge serve: error: --temperature: each request sets it") and "--help" in err
-    args = build_parser("serve").parse_args(["serve", "--ckpt", "x", "--device", "cpu"])
-    assert args.override == ["Global.device=cpu"]
+def test_serve_sampling_flags_become_the_server_defaults():
+    """serve's sampling flags are the defaults of the request fields a client omits (only the
+    ones given: OpenAI's defaults stay for the rest), range-checked through the config."""
+    from gptforge.commands.serve import sampling_defaults
+    from gptforge.config import load_config
+
+    args = build_parser("serve").parse_args(["serve", "--ckpt", "x", "--temperature", "0.5", "--max-new-tokens", "7",
+                                             "--seed", "3", "--device", "cpu"])
+    assert args.override == ["Generation.temperature=0.5", "Generation.max_dec_len=7", "Generation.seed=3",
+                             "Global.device=cpu"]
+    cfg = load_config(None, args.override)
+    assert sampling_defaults(args, cfg.Generation) == {"temperature": 0.5, "max_tokens": 7, "seed": 3}
+    none = build_parser("serve").parse_args(["serve", "--ckpt", "x"])
+    assert sampling_defaults(none, cfg.Generation) == {}
 
 
 def test_infer_device_is_the_cpu(run_cli, tmp_path):

@@ -68,6 +68,18 @@ def test_models_health_and_metrics(server, client):
     assert 'endpoint="/v1/completions",status="200"' in text
 
 
+def test_server_sampling_defaults_fill_only_what_a_request_omits(model, tok):
+    """`gptforge serve --max-new-tokens 3 --temperature 0`: a request without max_tokens /
+    temperature gets those (greedy, 3 tokens); its own fields win (5 tokens)."""
+    m, cfg = model
+    with serving(m, tok, cfg.Generation, sampling_defaults={"max_tokens": 3, "temperature": 0.0}) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="tiny", prompt="The cat sat on")
+        assert r.usage.completion_tokens <= 3 and r.choices[0].text == solo(model, tok, "The cat sat on", 3).texts[0][0]
+        r5 = c.completions.create(model="tiny", prompt="The cat sat on", max_tokens=5, temperature=0)
+        assert r5.choices[0].text == solo(model, tok, "The cat sat on", 5).texts[0][0]
+
+
 def test_greedy_completion_equals_generate_and_usage_is_exact(model, tok, client):
     ref = solo(model, tok, "The cat sat on", 12)
     r = client.completions.create(model="tiny", prompt="The cat sat on", max_tokens=12, temperature=0)

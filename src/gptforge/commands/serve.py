@@ -51,10 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (default: the plain-text one, docs/serve.md)")
     p.add_argument("--threads", type=int, metavar="N", help="onnx: onnxruntime intra-op threads")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    # Requests carry their own sampling fields (OpenAI's temperature, top_p, top_k, seed, max_tokens);
-    # the server does not yet take defaults for them from Generation.*, so those flags are refused.
-    add_sampling_args(p, refuse_sampling="each request sets it (the OpenAI fields temperature, top_p, top_k, "
-                                         "seed, max_tokens); server-wide sampling defaults are not supported yet")
+    # The sampling flags (and their -o Generation.* keys) set what a request gets for a field it
+    # omits; a request's own temperature, top_p, top_k, seed or max_tokens wins.
+    add_sampling_args(p)
 
 
 def check_serve_extra() -> None:
@@ -113,6 +112,19 @@ def load_served_model(args: argparse.Namespace):
     return load_runnable(args.ckpt, cfg, device=select_device(cfg.Global.device))
 
 
+# Generation key -> the request field it is the server's default for.
+_DEFAULT_OF = {"Generation.temperature": "temperature", "Generation.top_p": "top_p", "Generation.top_k": "top_k",
+               "Generation.seed": "seed", "Generation.max_dec_len": "max_tokens"}
+
+
+def sampling_defaults(args: argparse.Namespace, generation) -> dict:
+    """The request fields the user set server defaults for (the sampling flags or `-o Generation.*`),
+    with their resolved (range-checked) values; fields not set keep OpenAI's defaults."""
+    given = {o.split("=", 1)[0].strip() for o in args.override if "=" in o}
+    keys = {key: field for key, field in _DEFAULT_OF.items() if key in given}
+    return {field: getattr(generation, key.split(".", 1)[1]) for key, field in keys.items()}
+
+
 def load_served_draft(args: argparse.Namespace, model, cfg, tok):
     """The `Generation.draft` model for speculative decoding (None when unset), any kind the
     loader reads; its tokenizer must be the target's."""
@@ -141,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
                         drain_timeout=args.drain_timeout, chat_template=args.chat_template,
                         public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout,
+                        sampling_defaults=sampling_defaults(args, cfg.Generation))
     state = build_state(model, tok, cfg.Generation, opts, draft=draft)
 
     def announce(port: int) -> None:  # once bound: the real port, also for --port 0

@@ -46,6 +46,7 @@ class ServeState:
     max_body_bytes: int = 8 << 20
     request_timeout: float | None = None  # seconds from arrival; None = no limit
     max_prompt_chars: int | None = None  # longer text cannot fit the context (None: no cheap bound)
+    sampling_defaults: dict = field(default_factory=dict)  # for fields a request omits (ServeOptions)
     close: object = None  # releases the backend (the packed weights) when the server stops
     draining: bool = False
     inflight: int = 0
@@ -206,10 +207,18 @@ def _check_chars(state: ServeState, text: str, what: str) -> None:
                        param=what.split(" ")[0], code="context_length_exceeded")
 
 
-def _params(body, max_tokens: int, stop: list[str], logprobs: int | None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k, 0), repetition_penalty=body.repetition_penalty,
-                          seed=body.seed, stop=stop, logprobs=logprobs)
+# OpenAI's defaults for a sampling field that neither the request nor the server's flags set.
+_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
+
+
+def _params(state: ServeState, body, max_tokens: int, stop: list[str], logprobs: int | None) -> SamplingParams:
+    def pick(name: str):
+        given = getattr(body, name)
+        return given if given is not None else state.sampling_defaults.get(name, _OPENAI_DEFAULTS[name])
+
+    return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
+                          top_k=max(pick("top_k"), 0), repetition_penalty=body.repetition_penalty,
+                          seed=pick("seed"), stop=stop, logprobs=logprobs)
 
 
 async def _collect(request: Request, run: Run) -> None:
@@ -251,12 +260,12 @@ async def completions(body: CompletionRequest, request: Request):
     prompts, texts = await _completion_prompts(state, body)
     if not prompts:
         raise APIError(400, "prompt: empty list", param="prompt")
-    max_tokens = body.max_tokens or 16
+    max_tokens = body.max_tokens or state.sampling_defaults.get("max_tokens", 16)
     for i, ids in enumerate(prompts):
         _check_prompt(state, ids, max_tokens, i)
     if texts is None:  # token-id prompts: their text only for echo, once they are known to fit
         texts = [tok.decode(x) for x in prompts] if body.echo else [""] * len(prompts)
-    run = Run(state, prompts, _params(body, max_tokens, body.stops(), body.logprobs), body.n)
+    run = Run(state, prompts, _params(state, body, max_tokens, body.stops(), body.logprobs), body.n)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
 
@@ -305,10 +314,11 @@ async def chat_completions(body: ChatRequest, request: Request):
         raise APIError(400, str(e), param="messages") from None
     _check_chars(state, text, "messages")
     ids = await run_in_threadpool(tok.encode, text)
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_positions - len(ids))
+    max_tokens = (body.max_completion_tokens or body.max_tokens or state.sampling_defaults.get("max_tokens")
+                  or max(1, state.max_positions - len(ids)))
     _check_prompt(state, ids, max_tokens, 0)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    run = Run(state, [ids], _params(body, max_tokens, body.stops() + state.chat.stop, logprobs), body.n)
+    run = Run(state, [ids], _params(state, body, max_tokens, body.stops() + state.chat.stop, logprobs), body.n)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
     if body.stream:

@@ -60,9 +60,10 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension; 0 or -1 = off
+    # None: the server's default (`gptforge serve --temperature ...`), else OpenAI's (1, 1, off).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; 0 or -1 = off
     repetition_penalty: float = 1.0  # extension; 1 = off
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
@@ -87,6 +88,8 @@ class _Common(BaseModel):
     @field_validator("temperature", "top_p", "top_k", "repetition_penalty", "seed")
     @classmethod
     def _sampling_range(cls, v, info: ValidationInfo):
+        if v is None:  # null: the server's default
+            return None
         if info.field_name == "top_k" and v == -1:
             return 0  # vLLM's spelling of "off"
         msg = sampling_error(info.field_name, v, max_temperature=MAX_TEMPERATURE)
@@ -122,7 +125,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: the server's --max-new-tokens, else 16 (OpenAI's)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

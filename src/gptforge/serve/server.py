@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class ServeOptions:
     public_metrics: bool = False  # /metrics open without the API key
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     request_timeout: float | None = None  # seconds a request may take from arrival (None: no limit)
+    # What a request that omits a sampling field gets (`gptforge serve --temperature ...`); OpenAI's
+    # defaults for the fields not given here.
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def _open(model_or_backend, generation, closers: list):
@@ -88,6 +91,7 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
                       ChatTemplate(opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
                       max_body_bytes=opts.max_body_bytes, request_timeout=opts.request_timeout,
                       max_prompt_chars=prompt_char_limit(tokenizer, backend.max_positions),
+                      sampling_defaults=dict(opts.sampling_defaults),
                       close=close if closers else None)
 
 
