@@ -331,14 +331,14 @@ PREPROCESS_HANG = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import gptforge.data.preprocess as P
-    real = P._file_chunks
+    real = P.file_chunks
     def chunks(path):
         for k, c in enumerate(real(path)):
             yield c
             if k == 1:  # the workers are busy or idle, the parent is mid-run: hold here
                 Path(sys.argv[1]).write_text("ready")
                 time.sleep(600)
-    P._file_chunks = chunks
+    P.file_chunks = chunks
     from gptforge.cli import main
     sys.exit(main(sys.argv[2:]))
 """)

@@ -50,6 +50,11 @@ from gptforge.train.profile_window import ProfileWindow
 from gptforge.train.recompute import apply_recompute
 from gptforge.train.run_start import RunStart, plan_start
 from gptforge.train.time_fit import TimeFit
+from gptforge.train.trainer_data import TrainerData
+from gptforge.train.trainer_eval import TrainerEval
+from gptforge.train.trainer_report import TrainerReport
+from gptforge.train.trainer_save import TrainerSaving
+from gptforge.train.trainer_sync import TrainerSync
 from gptforge.train.weights import check_same_shape, load_pretrained
 
 
@@ -79,7 +84,7 @@ def _notice(msg: str) -> None:
     print(f"gptforge: {msg}", file=sys.stderr)
 
 
-class Trainer:
+class Trainer(TrainerData, TrainerEval, TrainerSaving, TrainerReport, TrainerSync):
     """Owns the model, optimizer, data iterators and run directory of one training run.
 
     `model`: an already-built (possibly transformed) model to train; default: built from
@@ -232,54 +237,6 @@ class Trainer:
         self.moe_window = MoEWindow() if moe.moe_layers(model) else None
         self.peak = peak_flops(self.device, self.precision.name)
 
-    # ------------------------------------------------------------------------- setup
-
-    def _load_tokenizer(self):
-        from gptforge.data.tokenizer import load_tokenizer
-
-        return load_tokenizer(self.cfg.Data.tokenizer, self.resume_dir)
-
-    def _build_datasets(self) -> dict:
-        if self.datasets is None:
-            from gptforge.data.dataset import build_datasets
-
-            splits = ("Train", "Eval") if self._eval_enabled() else ("Train",)
-            self.datasets = build_datasets(self.cfg, splits, tokenizer=self.tokenizer)
-        if "Train" not in self.datasets or self.datasets["Train"] is None:
-            raise ConfigError("no Train dataset: set Data.Train.dataset.input_dir")
-        return self.datasets
-
-    def _eval_enabled(self) -> bool:
-        e = self.cfg.Engine
-        return e.eval_freq > 0 and e.eval_iters > 0
-
-    def _loader(self, split: str, consumed: int):
-        from gptforge.data.dataset import GPTBatchSampler, collate
-
-        ds = self.datasets[split]
-        sp = getattr(self.cfg.Data, split)
-        sampler = GPTBatchSampler(len(ds), self.local_bs, self.par.data_rank, self.par.data_world_size,
-                                  consumed_samples=consumed, drop_last=sp.sampler.drop_last)
-        workers = max(0, sp.loader.num_workers)
-        # A private generator: creating a loader iterator must not draw from the global RNG
-        # (that would shift dropout masks and break bit-exact resume).
-        return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                                           pin_memory=self.device.type == "cuda", generator=torch.Generator(),
-                                           persistent_workers=False)
-
-    def _batches(self, split: str, consumed: int):
-        """Endless batches: a finished pass starts the next one (indices wrap like the sampler's)."""
-        while True:
-            n = 0
-            for batch in self._loader(split, consumed):
-                n += 1
-                yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            if n == 0:
-                from gptforge.errors import DataError
-
-                raise DataError(f"Data.{split}: the dataset yields no batch of {self.local_bs} samples")
-            consumed = 0
-
     # -------------------------------------------------------------------------- step
 
     def _forward_loss(self, batch: dict, model: nn.Module) -> torch.Tensor:
@@ -336,75 +293,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_val, "lr": lr, "grad_norm": norm_val, "found_inf": int(not stepped),
                 "loss_scale": self.precision.loss_scale}
-
-    @torch.no_grad()
-    def evaluate(self, iters: int | None = None) -> float:
-        """Mean loss over the next `iters` (default `eval_iters`) batches of the persistent
-        eval iterator; each local batch in one forward pass (spec §2.5)."""
-        iters = iters or self.cfg.Engine.eval_iters
-        if "Eval" not in self.datasets:
-            raise ConfigError("no Eval dataset: set Data.Eval.dataset.input_dir or Engine.eval_iters=0")
-        if getattr(self, "_eval_iter", None) is None:
-            self._eval_iter = self._batches("Eval", self.eval_consumed)
-        model = self.model
-        was_training = model.training
-        model.eval()
-        losses = []
-        try:
-            for _ in range(iters):
-                batch = next(self._eval_iter)
-                if self.par.pipelined:
-                    with self.precision.autocast():
-                        losses.append(self.par.pipeline_eval(batch))
-                else:
-                    losses.append(self._forward_loss(batch, model).float())
-                self.eval_consumed += self.gbs
-                self.eval_batches_done += 1
-        finally:
-            model.train(was_training)
-        return float(self.par.mean(torch.stack(losses).mean()))
-
-    # ------------------------------------------------------------------------ saving
-
-    def save(self, loss: float | None = None) -> Path | None:
-        """Write the step checkpoint for the current step: one process writes the single-file
-        format; a distributed run writes DCP shards from every rank (returns the path on rank 0)."""
-        path = None
-        meta = {"consumed_samples": self.step * self.gbs, "eval_consumed_samples": self.eval_consumed,
-                "eval_batches": self.eval_batches_done, "global_batch_size": self.gbs,
-                "scheduler_samples": self.scheduler.samples, "lr": self.scheduler.lr, "loss": loss,
-                "precision": self.precision.name, "run_id": self.run_id}
-        if self.par.distributed:
-            path = dist_ckpt.save_distributed(self.output_dir, self.step, self.model, self.cfg, self.tokenizer,
-                                              self.optimizer, self.scheduler, self.precision, meta, self.par,
-                                              keep_last=self.cfg.Engine.save_load.keep_last)
-            self.last_checkpoint = path
-            return path if self.par.is_main else None
-        if self.par.is_main:
-            path = ckpt.save_checkpoint(self.output_dir, self.step, self.par.unwrap(self.model), self.cfg,
-                                        self.tokenizer, self.optimizer, self.scheduler, self.precision, meta,
-                                        keep_last=self.cfg.Engine.save_load.keep_last)
-        self.par.barrier()
-        self.last_checkpoint = path or self.output_dir / ckpt.step_dir_name(self.step)
-        return path
-
-    def _save(self, loss: float, log) -> Path | None:
-        path = self.save(loss)
-        if path is not None:
-            log.info(f"[save] step {self.step}: {path}")
-        return self.last_checkpoint
-
-    def _write_run_config(self) -> None:
-        from gptforge.config import config_to_yaml
-        from gptforge.durable import write_text_durable
-
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_text_durable(self.output_dir / "config.yaml", config_to_yaml(self.cfg))
-
-    def _release(self) -> None:
-        lock, self._lock = getattr(self, "_lock", None), None
-        if lock is not None:
-            lock.release()
 
     # -------------------------------------------------------------------------- loop
 
@@ -529,80 +417,6 @@ class Trainer:
         log.close()
         return TrainResult(step=self.step, losses=losses, checkpoint_dir=self.last_checkpoint,
                            output_dir=self.output_dir, eval_losses=eval_losses, metrics=summary)
-
-    def extra_metrics(self, kind: str) -> dict:
-        """Metrics a subclass's loss gathered since the last "train" or "eval" record (DPO's rewards)."""
-        return {}
-
-    def _extra_line(self, log: RunLogger, kind: str) -> dict:
-        extra = self.extra_metrics(kind)
-        if extra:
-            log.info(f"[{kind}] " + ", ".join(f"{k}: {v:.6g}" for k, v in extra.items()))
-        return extra
-
-    def _refit(self, fit: TimeFit, elapsed: float, log) -> None:
-        """`Engine.fit_to_max_time`: the run's length and lr decay from the measured rate (rank 0's)."""
-        n = int(self._rank0(fit.fit(self.step, elapsed)))
-        if n != self.max_steps:
-            note = fit.apply(n, elapsed / (self.step - fit.start_step))
-            if note:
-                log.info(note)
-            self.max_steps = n
-            log.set_total(n)
-            self.scheduler.apply()
-
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether `flag` holds on any rank (a signal may reach only some of them)."""
-        if self.par.world_size == 1:
-            return flag
-        import torch.distributed as dist
-
-        t = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    def _out_of_time(self, t_start: float) -> bool:
-        """`Engine.max_time` has passed (every rank takes rank 0's answer, so all stop together)."""
-        limit = self.cfg.Engine.max_time
-        if not limit:
-            return False
-        return bool(self._rank0(float(time.perf_counter() - t_start >= limit)))
-
-    def _rank0(self, value: float) -> float:
-        """Rank 0's `value` on every rank (decisions taken from one clock, so all ranks agree)."""
-        if self.par.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], device=self.device, dtype=torch.float64)
-        dist.broadcast(t, 0)
-        return float(t.item())
-
-    def _trackers(self) -> list:
-        """W&B / MLflow runs for `Engine.trackers` (called by the logging process only)."""
-        from gptforge.train.trackers import open_trackers
-
-        e = self.cfg.Engine
-        return open_trackers(e.trackers, self.output_dir, e.tracker_project, e.tracker_run_name, self.cfg.to_dict())
-
-    def _header(self, log: RunLogger, start_step: int) -> None:
-        cfg, m = self.cfg, self.model
-        n = sum(p.numel() for p in m.parameters())
-        trainable = sum(p.numel() for p in self.params)
-        where = " in rank 0's pipeline stages" if self.par.pipelined else ""
-        log.info(f"gptforge {self.verb}: {n / 1e6:.2f}M parameters{where} ({trainable / 1e6:.2f}M trainable), "
-                 f"device {device_name(self.device)}, {self.precision.name}, global batch {self.gbs} "
-                 f"(micro {cfg.Global.micro_batch_size} x {self.acc} accumulation), seq "
-                 f"{cfg.Data.Train.dataset.max_seq_len}, recompute "
-                 f"{cfg.Model.recompute_granularity if self.recomputed else 'off'}, output {self.output_dir}"
-                 + (", glibc heap reuse on" if self.malloc_tuned else ""))
-        if self.par.distributed:
-            log.info(self.par.describe())
-        if self.resume_dir is not None:
-            log.info(f"resumed from {self.resume_dir} at step {start_step} "
-                     f"({start_step * self.gbs} samples consumed)")
-        if self.peak is None:
-            log.info(f"MFU: n/a (no peak-FLOPs entry for {device_name(self.device)})")
 
 
 def pretrain(cfg: Config, model: nn.Module | None = None, tokenizer=None, **kwargs) -> TrainResult:
