@@ -185,6 +185,9 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
                                 "--no-stream")
     assert code == 0, err
     assert stdout.startswith("the quick")
+    code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table
+    assert code == 0, err
+    assert "blocks.1.linear2" in stdout and ("bf16" if args[0] == "bf16" else f"int{args[0][-1]}") in stdout
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -86,6 +86,8 @@ def _show(args, cfg) -> int:
     from gptforge.model_io import load_model
 
     model, cfg = load_model(args.ckpt, cfg)
+    if _show_weight_only(args.ckpt, model):
+        return 0
     rows = summary(model)
     if not rows:
         print(f"{args.ckpt}: no quantized layers (Compress.Quantization.enable is false)")
@@ -143,3 +145,23 @@ def _weights(args, cfg) -> int:
           f"{r.quantized_bytes / 2**20:.2f} MiB (float {r.float_bytes / 2**20:.2f} MiB)"
           f"{'; calibration ' + r.calibration if spec.method == 'gptq' else ''} -> {r.out_dir}")
     return 0
+
+
+def _show_weight_only(ckpt, model) -> bool:
+    """The per-layer table of a weight-only directory (format and the kernel a one-row call takes)."""
+    import torch
+
+    from gptforge.model_io import resolve_checkpoint_path
+    from gptforge.transforms.weight_only import read_spec, weight_only_layers
+
+    path = resolve_checkpoint_path(ckpt)
+    spec = read_spec(path) if path.is_dir() else None
+    if spec is None:
+        return False
+    print(f"{path}: weight-only {spec.method} (weight_only.json)")
+    print(f"{'layer':28} {'shape':>14} {'format':24} {'kernel (1 row)':>14}")
+    for name, mod in weight_only_layers(model):
+        fmt = mod.extra_repr().split(", ", 2)[2]
+        x = torch.zeros(1, mod.in_features)
+        print(f"{name:28} {f'{mod.out_features}x{mod.in_features}':>14} {fmt:24} {mod.kernel_for(x):>14}")
+    return True
