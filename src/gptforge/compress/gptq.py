@@ -16,8 +16,6 @@ is quantized and its outputs feed the next one; the tied LM head last, from the 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -96,77 +94,17 @@ class _Hessian:
         return (self.H / max(self.n, 1)).float()
 
 
-class _Stop(Exception):
-    pass
-
-
-def _block_inputs(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list, tuple]:
-    """Block 0's input for every batch and the (mask, is_causal) the model passes to blocks."""
-    got: list = []
-    extra: list = []
-
-    def grab(mod, args):
-        got.append(args[0])
-        extra[:] = args[1:]
-        raise _Stop
-
-    h = model.blocks[0].register_forward_pre_hook(grab)
-    try:
-        for ids in batches:
-            with contextlib.suppress(_Stop):
-                model(ids)
-    finally:
-        h.remove()
-    return got, tuple(extra)
-
-
-def _hessians(model: nn.Module, names: list[str], run) -> dict[str, torch.Tensor]:
-    """H of each named Linear's inputs while `run()` runs."""
-    hs = {n: _Hessian(model.get_submodule(n).weight.shape[1]) for n in names}
-    hooks = [model.get_submodule(n).register_forward_pre_hook(hs[n]) for n in names]
-    try:
-        run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: h.value() for n, h in hs.items()}
-
-
 @torch.no_grad()
 def gptq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tensor], *, damp: float = 0.01,
                act_order: bool = False, progress: bool = True) -> nn.Module:
     """Quantize every block Linear (and the tied head unless `head_bits` is 32 or 16) with GPTQ
     on the calibration `batches` (token id tensors), in place."""
-    from gptforge.model.gpt import BLOCK_LINEARS
-    from gptforge.progress import bar
-    from gptforge.transforms.weight_only import check_shapes
+    from gptforge.compress.layerwise import calibrated_walk
 
-    check_shapes(model, spec)
-    model.eval()
-    xs, extra = _block_inputs(model, batches)
-    pbar = bar(total=len(model.blocks) + 1, desc="gptq", unit="layer", enabled=progress)
-    for i, blk in enumerate(model.blocks):
-        names = [f"blocks.{i}.{p}" for p in BLOCK_LINEARS]
-        if spec.bits == 16:
-            for n in names:
-                quantize_layer(model, n, spec)
-        else:
-            hs = _hessians(model, names, lambda b=blk, xs=xs: [b(x, *extra) for x in xs])
-            for n in names:
-                w = model.get_submodule(n).weight.detach().float()
-                quantize_layer(model, n, spec, gptq_quantize(w, hs[n], spec.bits, spec.group_size, spec.sym,
-                                                             damp=damp, act_order=act_order))
-        xs = [blk(x, *extra) for x in xs]  # the quantized block's outputs feed the next block
-        pbar.update(1)
-    if spec.head_bits in (4, 8):  # the tied head's inputs: the final norm of the last block's outputs
-        head_in = _Hessian(model.wte.embedding_dim)
-        for x in xs:
-            head_in(None, (model.norm(x),))
-        quantize_layer(model, "wte", spec, gptq_quantize(model.wte.weight.detach().float(), head_in.value(),
-                                                         spec.head_bits, spec.group_size, spec.sym, damp=damp,
-                                                         act_order=act_order))
-    else:
-        quantize_layer(model, "wte", spec)
-    pbar.update(1)
-    pbar.close()
-    return model
+    def quantize(name: str, H: torch.Tensor) -> None:
+        w = model.get_submodule(name).weight.detach().float()
+        bits = spec.head_bits if name == "wte" else spec.bits
+        quantize_layer(model, name, spec, gptq_quantize(w, H, bits, spec.group_size, spec.sym, damp=damp,
+                                                        act_order=act_order))
+
+    return calibrated_walk(model, spec, batches, _Hessian, quantize, desc="gptq", progress=progress)
