@@ -48,12 +48,14 @@ def test_rtn_is_within_half_a_step(bits, group, sym):
 CASES = [(4, 32, True), (4, 64, False), (8, 0, True), (8, 32, False), (16, 0, True)]
 
 
+@pytest.mark.parametrize("awq", [False, True])
 @pytest.mark.parametrize("bits,group,sym", CASES)
 @pytest.mark.parametrize("kernel", ["auto", "packed", "bf16", "fp32"])
-def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group, sym, kernel):
+def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group, sym, kernel, awq):
     monkeypatch.setenv(KERNEL_ENV, kernel)
     w, b = torch.randn(32, 128), torch.randn(32)
-    m = WeightOnlyLinear.from_float(w, b, bits, group, sym)
+    s = torch.rand(128) + 0.5 if awq and bits < 16 else None  # AWQ: the input divided by s first
+    m = WeightOnlyLinear.from_float(w, b, bits, group, sym, act_scale=s)
     x = torch.randn(3, 5, 128)
     ref = x.double() @ m.dequantized_weight().double().T + b.double()
     chosen = m.kernel_for(x.reshape(-1, 128))
@@ -141,6 +143,21 @@ def test_gptq_output_error_is_at_most_rtn(act_order):
     assert e_gptq <= e_rtn
 
 
+def test_awq_search_never_loses_to_rtn_and_wins_on_outlier_channels():
+    from gptforge.compress.awq import awq_scale
+
+    torch.manual_seed(5)
+    X = torch.randn(512, 64)
+    X[:, :4] *= 30  # a few salient input channels, as in the paper's observation
+    W = torch.randn(24, 64)
+    s, err, rtn = awq_scale(W, X, 4, 32, True)
+    assert err <= rtn
+    assert err < 0.8 * rtn
+    assert bool((s[:4] > s[4:].max()).all())  # the salient channels got the larger scales
+    s_flat, err_flat, rtn_flat = awq_scale(W, torch.randn(512, 64), 4, 32, True)
+    assert err_flat <= rtn_flat
+
+
 # ----------------------------------------------------------------------- model directories
 
 
@@ -160,7 +177,7 @@ def float_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args", [("int4", "--method", "gptq", "--asym"), ("int8", "--head-bits", "4"),
-                                  ("bf16", "--head-bits", "16")])
+                                  ("bf16", "--head-bits", "16"), ("int4", "--method", "awq", "--head-bits", "32")])
 def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, args):
     from gptforge.model_io import load_model
     from gptforge.transforms.weight_only import weight_only_layers
@@ -174,6 +191,7 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
     q, _ = load_model(out)
     f, _ = load_model(src)
     assert len(weight_only_layers(q)) == 4 * 2 + (1 if "32" not in args else 0)
+    assert ("awq" in args) == hasattr(q.blocks[0].linear1, "act_scale")
     ids = torch.randint(0, 4096, (2, 16))
     lq, lf = q(ids).logits, f(ids).logits
     rel = float((lq - lf).detach().norm() / lf.detach().norm())
@@ -195,6 +213,7 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
     (("--weights", "int4"), "--out"),
     (("--weights", "bf16", "--group-size", "32", "--out", "X"), "bf16"),
     (("--weights", "int4", "--damp", "2", "--out", "X"), "--damp"),
+    (("--weights", "int4", "--method", "awq", "--act-order", "--out", "X"), "--act-order"),
     (("--asym", "--convert", "--out", "X"), "--asym"),
     (("--weights", "int4", "--method", "gptq", "--calib", "MISSING", "--out", "X"), "--calib"),
 ])

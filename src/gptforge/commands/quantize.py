@@ -34,14 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--group-size", type=int, choices=(0, 32, 64, 128, 256), default=None,
                    help="input columns sharing one scale (and zero); 0 = one per output row. Default: 64 for int4, "
                         "0 for int8 (the packed int8 kernel's format)")
-    w.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
-                   help="rtn: round to nearest (default); gptq: GPTQ error feedback from calibration text")
+    w.add_argument("--method", choices=("rtn", "gptq", "awq"), default="rtn",
+                   help="rtn: round to nearest (default); gptq: GPTQ error feedback, awq: activation-aware input "
+                        "scales, both from calibration text")
     w.add_argument("--asym", action="store_true", help="asymmetric groups (an integer zero point per group)")
     w.add_argument("--head-bits", type=int, choices=(4, 8, 16, 32), default=8,
                    help="the tied embedding / LM head: 4 or 8 bits (same groups and method), 16 = bf16, "
                         "32 = float as trained (default 8)")
-    w.add_argument("--calib", metavar="FILE", help="GPTQ calibration text (UTF-8); default: the built-in corpus")
-    w.add_argument("--samples", type=int, default=32, help="GPTQ calibration windows (default 32)")
+    w.add_argument("--calib", metavar="FILE", help="GPTQ/AWQ calibration text (UTF-8); default: the built-in corpus")
+    w.add_argument("--samples", type=int, default=32, help="GPTQ/AWQ calibration windows (default 32)")
     w.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256, at most "
                    "the model's max_position_embeddings)")
     w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01)")
@@ -112,12 +113,14 @@ def _refuse_weight_flags(args) -> None:
 def _weight_spec(args):
     from gptforge.transforms.weight_only import WeightOnlySpec
 
+    if args.act_order and args.method != "gptq":
+        raise UsageError("--act-order applies with --method gptq")
     if args.convert:
         raise UsageError("--convert (INT8 from a QAT/PTQ model) and --weights (a float model's weights) "
                          "are separate runs; give one")
     if args.weights == "bf16" and (args.group_size or args.asym or args.method != "rtn"):
-        raise UsageError("--weights bf16 takes no --group-size / --asym / --method gptq (bf16 is a cast)")
-    if args.method == "gptq" and (args.samples < 1 or args.seq_len < 1):
+        raise UsageError("--weights bf16 takes no --group-size / --asym / --method gptq|awq (bf16 is a cast)")
+    if args.method != "rtn" and (args.samples < 1 or args.seq_len < 1):
         raise UsageError(f"--samples {args.samples} / --seq-len {args.seq_len}: give positive counts")
     if not 0 < args.damp < 1:
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
@@ -143,7 +146,7 @@ def _weights(args, cfg) -> int:
                           f"{'g' + str(spec.group_size) if spec.group_size else 'per row'}")
     print(f"gptforge quantize: weights {fmt} ({spec.method}), head {spec.head_bits} bits: "
           f"{r.quantized_bytes / 2**20:.2f} MiB (float {r.float_bytes / 2**20:.2f} MiB)"
-          f"{'; calibration ' + r.calibration if spec.method == 'gptq' else ''} -> {r.out_dir}")
+          f"{'; calibration ' + r.calibration if spec.method != 'rtn' else ''} -> {r.out_dir}")
     return 0
 
 

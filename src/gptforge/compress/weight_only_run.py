@@ -1,6 +1,6 @@
 """`gptforge quantize --weights ...`: a model directory -> a weight-only quantized one.
 
-Round-to-nearest needs only the weights; GPTQ calibrates on `samples` windows of `seq_len`
+Round-to-nearest needs only the weights; GPTQ and AWQ calibrate on `samples` windows of `seq_len`
 tokens from a text file or the built-in corpus. The output is an ordinary model directory
 (config.yaml, model.safetensors with int8 / packed int4 / bf16 weights and fp32 scales and
 zeros, the tokenizer) plus `weight_only.json`, which `model_io.load_model` reads to rebuild
@@ -81,13 +81,18 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     tokenizer = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
     fbytes = _bytes(model)
     calibration = "none"
-    if spec.method == "gptq":
-        from gptforge.compress.gptq import gptq_model
-
+    if spec.method in ("gptq", "awq"):
         seq = min(seq_len, cfg.Model.max_position_embeddings)
         batches = calibration_ids(tokenizer, calib, samples, seq)
         calibration = f"{samples} x {seq} tokens of {calib or 'the built-in corpus'}"
-        gptq_model(model, spec, batches, damp=damp, act_order=act_order, progress=progress)
+        if spec.method == "gptq":
+            from gptforge.compress.gptq import gptq_model
+
+            gptq_model(model, spec, batches, damp=damp, act_order=act_order, progress=progress)
+        else:
+            from gptforge.compress.awq import awq_model
+
+            awq_model(model, spec, batches, progress=progress)
     else:
         quantize_rtn_model(model, spec)
     with atomic_dir(out_dir, overwrite) as tmp:

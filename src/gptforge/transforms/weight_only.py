@@ -51,7 +51,7 @@ class WeightOnlySpec:
     group_size: int = 64
     sym: bool = True
     head_bits: int = 8
-    method: str = "rtn"
+    method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """The empty weight-only structure on `model` (`apply_structure`)."""
@@ -128,12 +128,13 @@ def requested_kernel(arg: str | None = None) -> str:
 
 class WeightOnlyLinear(nn.Module):
     """y = x · dequant(W)ᵀ + b with W stored as int8, packed int4 or bf16 (`weight`), fp32
-    `weight_scale` [out, groups] and, when asymmetric, int8 `weight_zero` [out, groups]."""
+    `weight_scale` [out, groups] and, when asymmetric, int8 `weight_zero` [out, groups]. With
+    `act_scale` (AWQ) the stored weight is W · diag(s) and the input is divided by s first."""
 
     kernel: str | None = None  # None/auto: $GPTFORGE_WEIGHT_KERNEL, else the probe's choice
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, bits: int = 4,
-                 group_size: int = 0, sym: bool = True, device=None):
+                 group_size: int = 0, sym: bool = True, act_scale: bool = False, device=None):
         super().__init__()
         g = group_size or in_features
         if in_features % g or (bits == 4 and in_features % 2):
@@ -148,18 +149,24 @@ class WeightOnlyLinear(nn.Module):
             if not sym:
                 self.register_buffer("weight_zero", torch.zeros(out_features, in_features // g, dtype=torch.int8,
                                                                 device=device))
+        if act_scale:
+            self.register_buffer("act_scale", torch.ones(in_features, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._kernel_weight, self._kernel_key = None, None
 
     @classmethod
     @torch.no_grad()
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, sym: bool,
-                   quantized=None) -> WeightOnlyLinear:
-        """A layer holding `w` [out, in] rounded to nearest, or `quantized` = (q, scale, zero) (GPTQ)."""
+                   quantized=None, act_scale: torch.Tensor | None = None) -> WeightOnlyLinear:
+        """A layer holding `w` [out, in] rounded to nearest, or `quantized` = (q, scale, zero) (GPTQ);
+        with `act_scale` s (AWQ), w · diag(s) rounded to nearest."""
         mod = cls(w.shape[1], w.shape[0], bias=bias is not None, bits=bits, group_size=group_size, sym=sym,
-                  device=w.device)
+                  act_scale=act_scale is not None, device=w.device)
         if bias is not None:
             mod.bias.copy_(bias.float())
+        if act_scale is not None:
+            mod.act_scale.copy_(act_scale.float())
+            w = w.float() * act_scale.float()
         if bits == 16:
             mod.weight.copy_(w.to(torch.bfloat16))
             return mod
@@ -177,10 +184,15 @@ class WeightOnlyLinear(nn.Module):
     def zeros(self) -> torch.Tensor:
         return self.weight_zero if not self.sym else torch.zeros_like(self.weight_scale)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _stored(self, dtype: torch.dtype) -> torch.Tensor:
         if self.bits == 16:
             return self.weight.to(dtype)
         return lowbit.dequantize(self.ints(), self.weight_scale, self.zeros(), self.group_size, dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight the layer computes with (AWQ's input scale folded back in)."""
+        w = self._stored(torch.float32)
+        return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
 
     def kernel_for(self, x: torch.Tensor) -> str:
         """`packed`, `bf16` or `fp32`: the path this call takes (see the module docstring)."""
@@ -212,6 +224,8 @@ class WeightOnlyLinear(nn.Module):
         """x · dequant(W)ᵀ (no bias) on the chosen kernel."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if hasattr(self, "act_scale"):
+            x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
@@ -219,9 +233,9 @@ class WeightOnlyLinear(nn.Module):
             packed, qsz = self._int4_kernel_weight()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, self.group_size, qsz)
         elif kern == "bf16":
-            y = F.linear(x2.to(torch.bfloat16), self.dequantized_weight(torch.bfloat16)).to(x.dtype)
+            y = F.linear(x2.to(torch.bfloat16), self._stored(torch.bfloat16)).to(x.dtype)
         else:
-            y = F.linear(x2.float(), self.dequantized_weight(torch.float32)).to(x.dtype)
+            y = F.linear(x2.float(), self._stored(torch.float32)).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +311,8 @@ def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
     dev = model.wte.weight.device
     for name, lin in block_linears(model):
         _set(model, name, WeightOnlyLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                           bits=spec.bits, group_size=spec.group_size, sym=spec.sym, device=dev))
+                                           bits=spec.bits, group_size=spec.group_size, sym=spec.sym,
+                                           act_scale=spec.method == "awq" and spec.bits < 16, device=dev))
     if spec.head_bits < 32:
         install_embedding(model, WeightOnlyEmbedding(model.wte.num_embeddings, model.wte.embedding_dim,
                                                      bits=spec.head_bits, group_size=spec.group_size, sym=spec.sym,
@@ -306,9 +321,10 @@ def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
 
 
 @torch.no_grad()
-def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=None) -> None:
+def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=None,
+                   act_scale: torch.Tensor | None = None) -> None:
     """Swap block Linear `name` (or `wte`, the tied embedding / head) for its weight-only form:
-    rounded to nearest, or the given (q, scale, zero)."""
+    rounded to nearest, or the given (q, scale, zero), or AWQ's `act_scale` then rounded."""
     if name == "wte":
         if spec.head_bits == 32:
             return
@@ -322,7 +338,7 @@ def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=
         return
     lin = model.get_submodule(name)
     _set(model, name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, spec.bits, spec.group_size,
-                                                  spec.sym, quantized))
+                                                  spec.sym, quantized, act_scale))
 
 
 def quantize_rtn_model(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
@@ -340,7 +356,7 @@ def dequantize_state_dict(sd: dict[str, torch.Tensor], spec: WeightOnlySpec) -> 
     """Float weights of a weight-only state dict, for loading into a plain float model."""
     out = {}
     for k, v in sd.items():
-        if k.endswith((".weight_scale", ".weight_zero")):
+        if k.endswith((".weight_scale", ".weight_zero", ".act_scale")):
             continue
         if k.endswith(".weight") and k[: -len("weight")] + "weight_scale" in sd or v.dtype == torch.bfloat16:
             p = k[: -len("weight")]
@@ -352,6 +368,8 @@ def dequantize_state_dict(sd: dict[str, torch.Tensor], spec: WeightOnlySpec) -> 
                 s = sd[p + "weight_scale"]
                 z = sd.get(p + "weight_zero", torch.zeros_like(s))
                 v = lowbit.dequantize(q, s, z, q.shape[1] // s.shape[1])
+            if p + "act_scale" in sd:
+                v = v / sd[p + "act_scale"]
         out[k] = v
     return out
 
