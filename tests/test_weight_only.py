@@ -18,6 +18,8 @@ from gptforge.transforms.weight_only import (
     packed_is_exact,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(autouse=True)
 def _auto_kernel(monkeypatch):
