@@ -6,7 +6,7 @@ from it; `qat_quality.py`'s tokenizer and training recipe), in one run:
   2. quantize it with `gptforge quantize --weights ...` (in-process, the command's own code):
      int8 per-row RTN, int4 g64 RTN, int4 g64 GPTQ (calibration: `--samples` windows of the
      built-in corpus's first documents, which are Train documents), the embedding / head at
-     8 bits in each (plus int4 g64 with the head at 4 bits, RTN and GPTQ);
+     8 bits in each (plus int4 g64 with the head at 4 bits, RTN and GPTQ, and int4 g64 AWQ);
   3. score every model with `gptforge eval` (WikiText method, no cloze) on the same held-out
      text: the Eval-split documents of the corpus, which no step trains on.
 Goal: int4 g64 GPTQ's increase in bits per byte over float <= 50% of RTN's.
@@ -38,7 +38,7 @@ VARIANTS = {  # name: quantize flags (None: the float model)
     "int4 g64 GPTQ": ["--weights", "int4", "--group-size", "64", "--method", "gptq"],
     "int4 g64 RTN, head int4": ["--weights", "int4", "--group-size", "64", "--head-bits", "4"],
     "int4 g64 GPTQ, head int4": ["--weights", "int4", "--group-size", "64", "--method", "gptq", "--head-bits", "4"],
-    "int4 g64 GPTQ act-order": ["--weights", "int4", "--group-size", "64", "--method", "gptq", "--act-order"],
+    "int4 g64 AWQ": ["--weights", "int4", "--group-size", "64", "--method", "awq"],
 }
 
 
@@ -92,9 +92,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--samples", type=int, default=64, help="GPTQ calibration windows")
+    ap.add_argument("--samples", type=int, default=64, help="GPTQ / AWQ calibration windows")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", help="write the results (JSON) here too")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -120,7 +123,7 @@ def main() -> None:
     ratio = gptq / rtn if rtn > 0 else float("nan")
     print(f"int4 g64: RTN +{rtn:.4f} bpb, GPTQ +{gptq:.4f} bpb over float: GPTQ/RTN = {ratio:.2f} "
           f"(goal <= 0.50: {'met' if ratio <= 0.5 else 'not met'})")
-    rec = {"cpu": cpu_name(), "torch": torch.__version__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+    rec = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "batch": args.batch, "seq": args.seq,
            "samples": args.samples, "heldout_chars": len(text.read_text()), "rows": rows, "gptq_over_rtn": ratio}
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
