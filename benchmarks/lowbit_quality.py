@@ -121,8 +121,10 @@ def main() -> None:
     f = rows["float"]["bits_per_byte"]
     rtn, gptq = rows["int4 g64 RTN"]["bits_per_byte"] - f, rows["int4 g64 GPTQ"]["bits_per_byte"] - f
     ratio = gptq / rtn if rtn > 0 else float("nan")
-    print(f"int4 g64: RTN +{rtn:.4f} bpb, GPTQ +{gptq:.4f} bpb over float: GPTQ/RTN = {ratio:.2f} "
-          f"(goal <= 0.50: {'met' if ratio <= 0.5 else 'not met'})")
+    verdict = ("not assessable: RTN costs nothing measurable on this model (train it longer)" if rtn <= 0
+               else "met" if ratio <= 0.5 else "not met")
+    print(f"int4 g64: RTN {rtn:+.4f} bpb, GPTQ {gptq:+.4f} bpb over float: GPTQ/RTN = {ratio:.2f} "
+          f"(goal <= 0.50: {verdict})")
     rec = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "batch": args.batch, "seq": args.seq,
            "samples": args.samples, "heldout_chars": len(text.read_text()), "rows": rows, "gptq_over_rtn": ratio}
     if args.out:
