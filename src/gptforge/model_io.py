@@ -297,9 +297,11 @@ def _weights_source(p: Path, fmt: str) -> str:
     return str(files[0]) if len(files) == 1 else str(p)
 
 
-def _apply_recorded_structure(model, ckpt_raw: dict[str, Any]) -> None:
+def _apply_recorded_structure(model, ckpt_raw: dict[str, Any], weight_only=None) -> None:
     """Rebuild structure the checkpoint was saved with (fake-quant modules; INT8 modules of a
-    converted model)."""
+    converted model; weight-only low-bit modules)."""
+    if weight_only is not None:  # a WeightOnlySpec (`gptforge quantize --weights`)
+        return weight_only.apply(model)
     quant = ((ckpt_raw.get("Compress") or {}).get("Quantization") or {})
     if quant.get("enable"):
         from gptforge.config.schema import QuantizationConfig
@@ -323,6 +325,7 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     """
     from gptforge.config import ARCH_KEYS, load_config
     from gptforge.model import build_model
+    from gptforge.transforms.weight_only import read_spec
 
     p = resolve_checkpoint_path(path)
     fmt = detect_format(p)
@@ -332,14 +335,17 @@ def load_model(path: str | os.PathLike, cfg=None, device: str | torch.device | N
     model_cfg = dataclasses.replace(cfg.Model, **{k: getattr(shape, k) for k in ARCH_KEYS})
     model = build_model(model_cfg, device="meta")
     ck_raw = read_checkpoint_config(p) if with_structure or fmt == OURS else {}
+    wo = read_spec(p) if fmt == OURS and p.is_dir() else None  # weight_only.json
     if with_structure:
-        _apply_recorded_structure(model, ck_raw)
+        _apply_recorded_structure(model, ck_raw, wo)
     sd = _checkpoint_state_dict(p, fmt, model_cfg)
     if not with_structure:
         if ((ck_raw.get("Compress") or {}).get("Quantization") or {}).get("converted"):
             from gptforge.transforms.int8 import dequantize_state_dict
 
             sd = dequantize_state_dict(sd)  # int8 weights x steps -> float weights
+        elif wo is not None:
+            sd = wo.dequantize(sd)  # int8 / int4 / bf16 weights -> float weights
         names = set(model.state_dict())
         sd = {k: v for k, v in sd.items() if k in names}
     load_state_dict_checked(model, sd, _weights_source(p, fmt))
@@ -354,11 +360,8 @@ def load_state_dict_checked(model: torch.nn.Module, sd: dict[str, torch.Tensor],
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensors (e.g. {', '.join(unexpected[:3])})")
+        parts = [f"{what} {len(ks)} tensors (e.g. {', '.join(ks[:3])})"
+                 for what, ks in (("missing", missing), ("unexpected", unexpected)) if ks]
         raise CheckpointError(f"{source}: weights do not match the model: " + "; ".join(parts))
     for k, t in expected.items():
         if tuple(t.shape) != tuple(sd[k].shape):
@@ -379,10 +382,7 @@ def check_dtypes(expected: dict[str, torch.Tensor], sd: dict[str, torch.Tensor],
         if k not in sd:
             continue
         v = sd[k]
-        if t.is_floating_point():
-            ok = v.is_floating_point()
-        else:
-            ok = v.dtype == t.dtype
+        ok = v.is_floating_point() if t.is_floating_point() else v.dtype == t.dtype
         if not ok:
             want = "a floating-point tensor" if t.is_floating_point() else str(t.dtype).replace("torch.", "")
             raise CheckpointError(
@@ -467,8 +467,7 @@ def hf_state_dict(model: torch.nn.Module, model_cfg) -> dict[str, torch.Tensor]:
     """HF GPT2LMHeadModel tensors for a model of uniform shape (float weights only)."""
     from gptforge.model import convert
 
-    sd = {k: v for k, v in state_dict_for_save(model).items()}
-    sd = convert.regroup_qkv(sd, model_cfg.head_dim, to_grouped=True)
+    sd = convert.regroup_qkv(dict(state_dict_for_save(model)), model_cfg.head_dim, to_grouped=True)
     return convert.ours_to_hf(sd, model_cfg.num_layers)
 
 

@@ -1,6 +1,8 @@
-"""`gptforge quantize`: turn a QAT/PTQ model into a real INT8 model, or show its quantization.
+"""`gptforge quantize`: turn a QAT/PTQ model into a real INT8 model, quantize a float model's
+weights (int8 / int4 / bf16, round-to-nearest or GPTQ), or show a model's quantization.
 
     gptforge quantize --ckpt runs/qat/step_400 --out runs/int8 --convert
+    gptforge quantize --ckpt runs/pretrain --out runs/int4 --weights int4 --group-size 64 --method gptq
     gptforge quantize --ckpt runs/int8                      # per-layer table of a quantized model
     gptforge generate --ckpt runs/int8 ...; gptforge eval --ckpt runs/int8 ...
 
@@ -26,6 +28,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the tied word embedding / LM head: auto (default) = int8 per row when the model was trained "
                         "with it quantized (Compress.Quantization.quantize_embedding), else float; int8 / float force it")
     p.add_argument("--no-check", action="store_true", help="skip the logits check against the fake-quant model")
+    w = p.add_argument_group("weight-only quantization of a float model (docs/quantize.md)")
+    w.add_argument("--weights", choices=("int8", "int4", "bf16"), help="quantize the block Linears' weights to this "
+                   "format and write the model to --out (activations stay float)")
+    w.add_argument("--group-size", type=int, choices=(0, 32, 64, 128, 256), default=None,
+                   help="input columns sharing one scale (and zero); 0 = one per output row. Default: 64 for int4, "
+                        "0 for int8 (the packed int8 kernel's format)")
+    w.add_argument("--method", choices=("rtn", "gptq", "awq"), default="rtn",
+                   help="rtn: round to nearest (default); gptq: GPTQ error feedback, awq: activation-aware input "
+                        "scales, both from calibration text")
+    w.add_argument("--asym", action="store_true", help="asymmetric groups (an integer zero point per group)")
+    w.add_argument("--head-bits", type=int, choices=(4, 8, 16, 32), default=8,
+                   help="the tied embedding / LM head: 4 or 8 bits (same groups and method), 16 = bf16, "
+                        "32 = float as trained (default 8)")
+    w.add_argument("--calib", metavar="FILE", help="GPTQ/AWQ calibration text (UTF-8); default: the built-in corpus")
+    w.add_argument("--samples", type=int, default=32, help="GPTQ/AWQ calibration windows (default 32)")
+    w.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256, at most "
+                   "the model's max_position_embeddings)")
+    w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01)")
+    w.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     p.add_argument("--force", action="store_true", help="overwrite --out")
 
 
@@ -34,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
     require_ckpt(args)
     cfg = config_from_args(args)
+    if args.weights is not None:
+        return _weights(args, cfg)
+    _refuse_weight_flags(args)
     if not args.convert:
         if args.out or args.embedding != "auto" or args.no_check:
             raise UsageError("--out/--embedding/--no-check apply with --convert")
@@ -63,6 +87,8 @@ def _show(args, cfg) -> int:
     from gptforge.model_io import load_model
 
     model, cfg = load_model(args.ckpt, cfg)
+    if _show_weight_only(args.ckpt, model):
+        return 0
     rows = summary(model)
     if not rows:
         print(f"{args.ckpt}: no quantized layers (Compress.Quantization.enable is false)")
@@ -74,3 +100,71 @@ def _show(args, cfg) -> int:
         print(f"{r['name']:28} {r['reference']:16} {r['kind']:10} {r['weight']:14} {r['activation']:32} "
               f"{scale:>10} {pact:>8}")
     return 0
+
+
+def _refuse_weight_flags(args) -> None:
+    given = [f for f, v in (("--group-size", args.group_size is not None), ("--method", args.method != "rtn"),
+                            ("--asym", args.asym), ("--head-bits", args.head_bits != 8), ("--calib", args.calib),
+                            ("--act-order", args.act_order)) if v]
+    if given:
+        raise UsageError(f"{given[0]} applies with --weights int8|int4|bf16")
+
+
+def _weight_spec(args):
+    from gptforge.transforms.weight_only import WeightOnlySpec
+
+    if args.act_order and args.method != "gptq":
+        raise UsageError("--act-order applies with --method gptq")
+    if args.convert:
+        raise UsageError("--convert (INT8 from a QAT/PTQ model) and --weights (a float model's weights) "
+                         "are separate runs; give one")
+    if args.weights == "bf16" and (args.group_size or args.asym or args.method != "rtn"):
+        raise UsageError("--weights bf16 takes no --group-size / --asym / --method gptq|awq (bf16 is a cast)")
+    if args.method != "rtn" and (args.samples < 1 or args.seq_len < 1):
+        raise UsageError(f"--samples {args.samples} / --seq-len {args.seq_len}: give positive counts")
+    if not 0 < args.damp < 1:
+        raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
+    bits = {"int8": 8, "int4": 4, "bf16": 16}[args.weights]
+    group = args.group_size if args.group_size is not None else (64 if bits == 4 else 0)
+    return WeightOnlySpec(bits=bits, group_size=group, sym=not args.asym, head_bits=args.head_bits,
+                          method=args.method)
+
+
+def _weights(args, cfg) -> int:
+    from gptforge.commands.common import ensure_out_dir
+    from gptforge.compress.weight_only_run import quantize_weights
+    from gptforge.run_lock import lock_output
+
+    spec = _weight_spec(args)
+    if not args.out:
+        raise UsageError("give the output directory with --out DIR")
+    with lock_output(args.out, "quantize"):
+        ensure_out_dir(args.out, args.force)
+        r = quantize_weights(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
+                             seq_len=args.seq_len, damp=args.damp, act_order=args.act_order, overwrite=True)
+    fmt = args.weights + ("" if spec.bits == 16 else f" {'asym' if args.asym else 'sym'} "
+                          f"{'g' + str(spec.group_size) if spec.group_size else 'per row'}")
+    print(f"gptforge quantize: weights {fmt} ({spec.method}), head {spec.head_bits} bits: "
+          f"{r.quantized_bytes / 2**20:.2f} MiB (float {r.float_bytes / 2**20:.2f} MiB)"
+          f"{'; calibration ' + r.calibration if spec.method != 'rtn' else ''} -> {r.out_dir}")
+    return 0
+
+
+def _show_weight_only(ckpt, model) -> bool:
+    """The per-layer table of a weight-only directory (format and the kernel a one-row call takes)."""
+    import torch
+
+    from gptforge.model_io import resolve_checkpoint_path
+    from gptforge.transforms.weight_only import read_spec, weight_only_layers
+
+    path = resolve_checkpoint_path(ckpt)
+    spec = read_spec(path) if path.is_dir() else None
+    if spec is None:
+        return False
+    print(f"{path}: weight-only {spec.method} (weight_only.json)")
+    print(f"{'layer':28} {'shape':>14} {'format':24} {'kernel (1 row)':>14}")
+    for name, mod in weight_only_layers(model):
+        fmt = mod.extra_repr().split(", ", 2)[2]
+        x = torch.zeros(1, mod.in_features)
+        print(f"{name:28} {f'{mod.out_features}x{mod.in_features}':>14} {fmt:24} {mod.kernel_for(x):>14}")
+    return True

@@ -1,0 +1,101 @@
+"""`gptforge quantize --weights ...`: a model directory -> a weight-only quantized one.
+
+Round-to-nearest needs only the weights; GPTQ and AWQ calibrate on `samples` windows of `seq_len`
+tokens from a text file or the built-in corpus. The output is an ordinary model directory
+(config.yaml, model.safetensors with int8 / packed int4 / bf16 weights and fp32 scales and
+zeros, the tokenizer) plus `weight_only.json`, which `model_io.load_model` reads to rebuild
+the modules: `generate`, `eval` and the rest load it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptforge.errors import DataError
+from gptforge.transforms.weight_only import WeightOnlySpec, quantize_rtn_model
+
+
+@dataclass
+class WeightOnlyResult:
+    out_dir: str
+    spec: WeightOnlySpec
+    float_bytes: int
+    quantized_bytes: int
+    calibration: str
+
+
+def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int) -> list[torch.Tensor]:
+    """`samples` windows [1, seq_len] of token ids, consecutive, from `text_file` or the
+    built-in corpus (its documents in order, joined by the end-of-text token)."""
+    if text_file is not None:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"--calib {text_file}: cannot read it as UTF-8 text ({e.__class__.__name__})") from None
+        ids = tokenizer.encode(text)
+    else:
+        from gptforge.data.corpus import builtin_documents
+
+        ids, eos = [], tokenizer.eos_token_id
+        for doc in builtin_documents():
+            ids += tokenizer.encode(doc) + ([eos] if eos is not None else [])
+            if len(ids) >= samples * seq_len:
+                break
+    if len(ids) < samples * seq_len:
+        where = f"--calib {text_file}" if text_file is not None else "the built-in corpus"
+        raise DataError(f"{where}: {len(ids)} tokens, fewer than --samples {samples} x --seq-len {seq_len}; "
+                        "lower --samples / --seq-len or give a longer text")
+    t = torch.tensor(ids[: samples * seq_len], dtype=torch.long).reshape(samples, 1, seq_len)
+    return list(t)
+
+
+def _bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
+                     calib: str | os.PathLike | None = None, samples: int = 32, seq_len: int = 256,
+                     damp: float = 0.01, act_order: bool = False, overwrite: bool = False,
+                     progress: bool = True) -> WeightOnlyResult:
+    """Quantize the float model at `src` to `spec` and write it to `out_dir`."""
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.errors import ConfigError
+    from gptforge.model_io import atomic_dir, load_model, resolve_checkpoint_path, write_model_files
+    from gptforge.transforms.quant import is_fake_quantized, refuse_moe
+    from gptforge.transforms.weight_only import read_spec
+
+    path = resolve_checkpoint_path(src)
+    if path.is_dir() and read_spec(path) is not None:
+        raise ConfigError(f"{path}: is already weight-only quantized ({path / 'weight_only.json'}); "
+                          "quantize the float model it came from")
+    model, cfg = load_model(path, cfg, device="cpu")
+    if is_fake_quantized(model) or cfg.Compress.Quantization.converted:
+        raise ConfigError(f"{path}: a QAT/PTQ/INT8 model (Compress.Quantization.enable); weight-only "
+                          "quantization starts from a float model (or use `quantize --convert`)")
+    refuse_moe(model, "weight-only quantization")
+    model.float()
+    tokenizer = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
+    fbytes = _bytes(model)
+    calibration = "none"
+    if spec.method in ("gptq", "awq"):
+        seq = min(seq_len, cfg.Model.max_position_embeddings)
+        batches = calibration_ids(tokenizer, calib, samples, seq)
+        calibration = f"{samples} x {seq} tokens of {calib or 'the built-in corpus'}"
+        if spec.method == "gptq":
+            from gptforge.compress.gptq import gptq_model
+
+            gptq_model(model, spec, batches, damp=damp, act_order=act_order, progress=progress)
+        else:
+            from gptforge.compress.awq import awq_model
+
+            awq_model(model, spec, batches, progress=progress)
+    else:
+        quantize_rtn_model(model, spec)
+    with atomic_dir(out_dir, overwrite) as tmp:
+        write_model_files(model, cfg, tmp, tokenizer)
+        spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path)})
+    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration)

@@ -1,0 +1,70 @@
+"""Group-wise low-bit weight math shared by round-to-nearest, GPTQ and the weight-only modules.
+
+Integers are signed, q in [-2^(b-1), 2^(b-1) - 1], and a weight is (q - zero) · scale, with one
+scale (and zero) per output row and group of `group_size` consecutive input columns (0: the
+whole row). Symmetric: zero = 0, scale = max|w| / (2^(b-1) - 1). Asymmetric: the group's
+[min, max] (stretched to hold 0) spans the 2^b levels, zero an integer in the same range.
+int4 is stored two per byte: column 2j in the low nibble, 2j+1 in the high one, as q + 8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-12
+
+
+def qrange(bits: int) -> tuple[int, int]:
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [rows], zero [rows]) for the columns of `w` [rows, cols] as one group."""
+    lo_q, hi_q = qrange(bits)
+    if sym:
+        scale = (w.abs().amax(dim=1) / hi_q).clamp_min(EPS)
+        return scale, torch.zeros_like(scale)
+    lo = w.amin(dim=1).clamp_max(0)
+    hi = w.amax(dim=1).clamp_min(0)
+    scale = ((hi - lo) / (hi_q - lo_q)).clamp_min(EPS)
+    zero = (torch.round(-lo / scale) + lo_q).clamp(lo_q, hi_q)
+    return scale, zero
+
+
+def quantize_cols(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers (as floats) of the columns `w` [rows, n] with one (scale, zero) per row."""
+    lo_q, hi_q = qrange(bits)
+    s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    return (torch.round(w / s) + z).clamp(lo_q, hi_q)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q - zero) · scale of integers q [rows, cols] with per-group scale / zero [rows, groups]."""
+    rows, cols = q.shape
+    g = group_size or cols
+    qf = q.to(dtype).reshape(rows, cols // g, g)
+    return ((qf - zero.to(dtype).unsqueeze(-1)) * scale.to(dtype).unsqueeze(-1)).reshape(rows, cols)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
+    """Round-to-nearest: (q int8 [rows, cols], scale fp32 [rows, groups], zero [rows, groups])."""
+    rows, cols = w.shape
+    g = group_size or cols
+    wg = w.float().reshape(rows * (cols // g), g)
+    scale, zero = group_params(wg, bits, sym)
+    q = quantize_cols(wg, scale, zero, bits)
+    return q.reshape(rows, cols).to(torch.int8), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Signed int4 values [rows, cols] (cols even) -> uint8 [rows, cols / 2], two per byte."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: int8 values in [-8, 7], [rows, 2 · bytes]."""
+    lo = (packed & 0x0F).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)

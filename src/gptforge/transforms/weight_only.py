@@ -1,0 +1,379 @@
+"""Weight-only low-bit layers: int8 / int4 (group-wise, packed two per byte) or bf16 weights,
+float activations. A quantized model directory records its format in `weight_only.json`
+(`WeightOnlySpec`); `model_io.load_model` rebuilds the structure from it (`apply_structure`).
+
+Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEIGHT_KERNEL`:
+
+- `packed`: PyTorch's packed CPU kernels, `aten._weight_int8pack_mm` (int8, symmetric, one
+  scale per row) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32..256, rows a
+  multiple of 16), where a one-time probe finds them exact on this CPU against integer
+  arithmetic. int4 keeps one copy of its nibbles in the kernel's own layout (as many bytes as
+  the stored ones; built at the first call).
+- `bf16`: dequantize to bf16 and `F.linear` in bf16, the default fallback where the CPU has
+  native bf16 (oneDNN's check: AVX-512-bf16 or AMX).
+- `fp32`: dequantize to fp32 and `F.linear` (every CPU). Nothing dequantized is cached.
+`auto` (default): `packed` where the layer's format has an exact packed kernel, else `bf16`
+where native, else `fp32`. bf16 weights (`bits=16`) use `bf16` where native, else `fp32`
+(a bf16 -> fp32 copy per call: the bytes of bf16, the speed of fp32).
+Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at
+batch 1 in torch 2.13, so `GPTFORGE_WEIGHT_KERNEL=bf16|fp32` can be the faster choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptforge.errors import CheckpointError
+from gptforge.transforms import lowbit
+from gptforge.transforms.cpu_kernels import _probe_operands, _requested
+
+SPEC_FILE = "weight_only.json"
+KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
+KERNELS = ("auto", "packed", "bf16", "fp32")
+INT4_PACK_GROUPS = (32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlySpec:
+    """What a weight-only directory holds: block Linears at `bits` (4, 8 or 16 = bf16) in groups
+    of `group_size` input columns (0: one per row), symmetric or not; the tied embedding / LM
+    head at `head_bits` (4, 8, 16 = bf16, 32 = float as trained), same grouping."""
+
+    bits: int = 4
+    group_size: int = 64
+    sym: bool = True
+    head_bits: int = 8
+    method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """The empty weight-only structure on `model` (`apply_structure`)."""
+        return apply_structure(model, self)
+
+    def dequantize(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Float weights of a state dict saved in this format (`dequantize_state_dict`)."""
+        return dequantize_state_dict(sd, self)
+
+    def save(self, d: Path, extra: dict | None = None) -> None:
+        (Path(d) / SPEC_FILE).write_text(json.dumps({**dataclasses.asdict(self), **(extra or {})}, indent=2) + "\n")
+
+
+def read_spec(d: str | Path) -> WeightOnlySpec | None:
+    """The spec of a weight-only model directory; None for any other directory."""
+    f = Path(d) / SPEC_FILE
+    if not f.is_file():
+        return None
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+        names = {fl.name for fl in dataclasses.fields(WeightOnlySpec)}
+        spec = WeightOnlySpec(**{k: v for k, v in raw.items() if k in names})
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e}); copy it again from the quantized model") from None
+    if spec.bits not in (4, 8, 16) or spec.head_bits not in (4, 8, 16, 32) or spec.group_size < 0:
+        raise CheckpointError(f"{f}: bits {spec.bits} / head_bits {spec.head_bits} / group_size {spec.group_size} "
+                              "not supported; the file is corrupted")
+    return spec
+
+
+# ----------------------------------------------------------------------- what this CPU runs
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> bool:
+    """oneDNN computes bf16 natively here (AVX-512-bf16 / AMX); elsewhere bf16 is emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.lru_cache(maxsize=2)
+def packed_is_exact(bits: int) -> bool:
+    """Whether the packed int8 / int4 CPU kernel exists and is exact here: integer-valued inputs,
+    power-of-two scales, compared with integer arithmetic (fp32 sums stay below 2^24)."""
+    q, w = _probe_operands(8, 256, 32)
+    x = torch.from_numpy(q).float()
+    try:
+        if bits == 8:
+            s = torch.tensor([0.5, 1.0, 2.0, 4.0] * 8)
+            y = torch.ops.aten._weight_int8pack_mm(x, torch.from_numpy(w).to(torch.int8), s)
+            ref = (q @ w.T) * s.numpy().astype(np.float64)
+        else:
+            n = (w % 16).astype(np.int64)  # nibbles 0..15
+            s = torch.tensor([0.5, 1.0, 2.0, 4.0] * 8)
+            zf = torch.tensor([-3.0, 0.0, 5.0, 1.0] * 8)
+            qsz = torch.stack([s.expand(8, 32), zf.expand(8, 32)], -1).contiguous()  # 256 / 32 groups
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(n).int(), 1), 32, qsz)
+            wf = (n - 8) * s.numpy()[:, None] + zf.numpy()[:, None]
+            ref = q @ wf.T
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return bool(np.array_equal(y.double().numpy(), ref))
+
+
+def requested_kernel(arg: str | None = None) -> str:
+    return _requested(arg, KERNEL_ENV, KERNELS, "kernel")
+
+
+# ----------------------------------------------------------------------- modules
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x · dequant(W)ᵀ + b with W stored as int8, packed int4 or bf16 (`weight`), fp32
+    `weight_scale` [out, groups] and, when asymmetric, int8 `weight_zero` [out, groups]. With
+    `act_scale` (AWQ) the stored weight is W · diag(s) and the input is divided by s first."""
+
+    kernel: str | None = None  # None/auto: $GPTFORGE_WEIGHT_KERNEL, else the probe's choice
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, bits: int = 4,
+                 group_size: int = 0, sym: bool = True, act_scale: bool = False, device=None):
+        super().__init__()
+        g = group_size or in_features
+        if in_features % g or (bits == 4 and in_features % 2):
+            raise ValueError(f"{in_features} input columns do not split into groups of {g}")
+        self.in_features, self.out_features, self.bits, self.sym = in_features, out_features, bits, sym
+        self.group_size = group_size if group_size and group_size < in_features else 0
+        cols, dt = {4: (in_features // 2, torch.uint8), 8: (in_features, torch.int8),
+                    16: (in_features, torch.bfloat16)}[bits]
+        self.register_buffer("weight", torch.zeros(out_features, cols, dtype=dt, device=device))
+        if bits < 16:
+            self.register_buffer("weight_scale", torch.ones(out_features, in_features // g, device=device))
+            if not sym:
+                self.register_buffer("weight_zero", torch.zeros(out_features, in_features // g, dtype=torch.int8,
+                                                                device=device))
+        if act_scale:
+            self.register_buffer("act_scale", torch.ones(in_features, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self._kernel_weight, self._kernel_key = None, None
+
+    @classmethod
+    @torch.no_grad()
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, sym: bool,
+                   quantized=None, act_scale: torch.Tensor | None = None) -> WeightOnlyLinear:
+        """A layer holding `w` [out, in] rounded to nearest, or `quantized` = (q, scale, zero) (GPTQ);
+        with `act_scale` s (AWQ), w · diag(s) rounded to nearest."""
+        mod = cls(w.shape[1], w.shape[0], bias=bias is not None, bits=bits, group_size=group_size, sym=sym,
+                  act_scale=act_scale is not None, device=w.device)
+        if bias is not None:
+            mod.bias.copy_(bias.float())
+        if act_scale is not None:
+            mod.act_scale.copy_(act_scale.float())
+            w = w.float() * act_scale.float()
+        if bits == 16:
+            mod.weight.copy_(w.to(torch.bfloat16))
+            return mod
+        q, scale, zero = quantized if quantized is not None else lowbit.quantize_rtn(w, bits, group_size, sym)
+        mod.weight.copy_(lowbit.pack_int4(q) if bits == 4 else q.to(torch.int8))
+        mod.weight_scale.copy_(scale.float())
+        if not sym:
+            mod.weight_zero.copy_(zero.to(torch.int8))
+        return mod
+
+    def ints(self) -> torch.Tensor:
+        """The integer weights [out, in] (int8 tensor)."""
+        return lowbit.unpack_int4(self.weight) if self.bits == 4 else self.weight
+
+    def zeros(self) -> torch.Tensor:
+        return self.weight_zero if not self.sym else torch.zeros_like(self.weight_scale)
+
+    def _stored(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.bits == 16:
+            return self.weight.to(dtype)
+        return lowbit.dequantize(self.ints(), self.weight_scale, self.zeros(), self.group_size, dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight the layer computes with (AWQ's input scale folded back in)."""
+        w = self._stored(torch.float32)
+        return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
+
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """`packed`, `bf16` or `fp32`: the path this call takes (see the module docstring)."""
+        req = requested_kernel(self.kernel)
+        if req in ("auto", "packed") and self._packable(x) and packed_is_exact(self.bits):
+            return "packed"
+        if req == "fp32" or (req != "bf16" and not native_bf16()):
+            return "fp32"
+        return "bf16"
+
+    def _packable(self, x: torch.Tensor) -> bool:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        if self.bits == 8:
+            return self.sym and self.group_size == 0
+        return self.bits == 4 and self.group_size in INT4_PACK_GROUPS and self.out_features % 16 == 0
+
+    def _int4_kernel_weight(self):
+        key = (self.weight.data_ptr(), self.weight._version, self.weight_scale._version)
+        if self._kernel_weight is None or key != self._kernel_key:
+            nib = (self.ints().int() + 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
+            zf = -self.zeros().float() * self.weight_scale  # (n - 8)·s + zf = (q - zero)·s
+            qsz = torch.stack([self.weight_scale.t(), zf.t()], -1).contiguous()
+            self._kernel_weight, self._kernel_key = (packed, qsz), key
+        return self._kernel_weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x · dequant(W)ᵀ (no bias) on the chosen kernel."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if hasattr(self, "act_scale"):
+            x2 = x2 / self.act_scale.to(x2.dtype)
+        kern = self.kernel_for(x2)
+        if kern == "packed" and self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
+        elif kern == "packed":
+            packed, qsz = self._int4_kernel_weight()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, self.group_size, qsz)
+        elif kern == "bf16":
+            y = F.linear(x2.to(torch.bfloat16), self._stored(torch.bfloat16)).to(x.dtype)
+        else:
+            y = F.linear(x2.float(), self._stored(torch.float32)).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        fmt = "bf16" if self.bits == 16 else (f"int{self.bits} {'sym' if self.sym else 'asym'} "
+                                              f"{'group ' + str(self.group_size) if self.group_size else 'per row'}")
+        return f"{self.in_features}, {self.out_features}, {fmt}"
+
+
+class WeightOnlyEmbedding(WeightOnlyLinear):
+    """The tied word embedding / LM head in the weight-only format: lookup dequantizes the rows
+    it reads; `project` is the head's matrix product on the layer's kernel."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bits: int = 8, group_size: int = 0,
+                 sym: bool = True, device=None):
+        super().__init__(embedding_dim, num_embeddings, bias=False, bits=bits, group_size=group_size, sym=sym,
+                         device=device)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.weight[flat]
+        if self.bits == 16:
+            out = rows.float()
+        else:
+            q = lowbit.unpack_int4(rows) if self.bits == 4 else rows
+            out = lowbit.dequantize(q, self.weight_scale[flat], self.zeros()[flat], self.group_size)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.matmul(hidden)
+
+
+# ----------------------------------------------------------------------- whole models
+
+
+def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+
+
+def check_shapes(model: nn.Module, spec: WeightOnlySpec) -> None:
+    """ConfigError naming the layer whose input columns the group size does not divide."""
+    from gptforge.errors import ConfigError
+    from gptforge.model.gpt import block_linears
+
+    g = spec.group_size
+    for name, lin in [*block_linears(model), ("wte (embedding / head)", _as_linear(model.wte))]:
+        if g and lin.in_features % g or lin.in_features % 2:
+            raise ConfigError(f"--group-size {g}: {name} has {lin.in_features} input columns, not a multiple of "
+                              f"{g or 2}; choose a group size that divides the hidden and FFN sizes")
+
+
+def _as_linear(emb: nn.Embedding) -> nn.Linear:
+    lin = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device="meta")
+    return lin
+
+
+def install_embedding(model: nn.Module, emb: WeightOnlyEmbedding) -> None:
+    from gptforge.transforms.int8 import _install_int8_embedding  # the head + float-KV-cache rewiring
+
+    _install_int8_embedding(model, emb)
+
+
+def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
+    """Give a float model (typically on the meta device) the empty weight-only structure of a
+    directory saved with `spec`, so its state dict loads with `load_state_dict(assign=True)`."""
+    from gptforge.model.gpt import block_linears
+
+    dev = model.wte.weight.device
+    for name, lin in block_linears(model):
+        _set(model, name, WeightOnlyLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                           bits=spec.bits, group_size=spec.group_size, sym=spec.sym,
+                                           act_scale=spec.method == "awq" and spec.bits < 16, device=dev))
+    if spec.head_bits < 32:
+        install_embedding(model, WeightOnlyEmbedding(model.wte.num_embeddings, model.wte.embedding_dim,
+                                                     bits=spec.head_bits, group_size=spec.group_size, sym=spec.sym,
+                                                     device=dev))
+    return model
+
+
+@torch.no_grad()
+def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=None,
+                   act_scale: torch.Tensor | None = None) -> None:
+    """Swap block Linear `name` (or `wte`, the tied embedding / head) for its weight-only form:
+    rounded to nearest, or the given (q, scale, zero), or AWQ's `act_scale` then rounded."""
+    if name == "wte":
+        if spec.head_bits == 32:
+            return
+        emb = model.wte
+        new = WeightOnlyEmbedding(emb.num_embeddings, emb.embedding_dim, bits=spec.head_bits,
+                                  group_size=spec.group_size, sym=spec.sym, device=emb.weight.device)
+        src = WeightOnlyLinear.from_float(emb.weight.detach(), None, spec.head_bits, spec.group_size, spec.sym,
+                                          quantized)
+        new.load_state_dict(src.state_dict())
+        install_embedding(model, new)
+        return
+    lin = model.get_submodule(name)
+    _set(model, name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, spec.bits, spec.group_size,
+                                                  spec.sym, quantized, act_scale))
+
+
+def quantize_rtn_model(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
+    """Round every block Linear and the embedding / head to nearest, in place."""
+    from gptforge.model.gpt import block_linears
+
+    check_shapes(model, spec)
+    for name, _ in list(block_linears(model)):
+        quantize_layer(model, name, spec)
+    quantize_layer(model, "wte", spec)
+    return model
+
+
+def dequantize_state_dict(sd: dict[str, torch.Tensor], spec: WeightOnlySpec) -> dict[str, torch.Tensor]:
+    """Float weights of a weight-only state dict, for loading into a plain float model."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith((".weight_scale", ".weight_zero", ".act_scale")):
+            continue
+        if k.endswith(".weight") and k[: -len("weight")] + "weight_scale" in sd or v.dtype == torch.bfloat16:
+            p = k[: -len("weight")]
+            bits = 16 if v.dtype == torch.bfloat16 else 4 if v.dtype == torch.uint8 else 8
+            if bits == 16:
+                v = v.float()
+            else:
+                q = lowbit.unpack_int4(v) if bits == 4 else v
+                s = sd[p + "weight_scale"]
+                z = sd.get(p + "weight_zero", torch.zeros_like(s))
+                v = lowbit.dequantize(q, s, z, q.shape[1] // s.shape[1])
+            if p + "act_scale" in sd:
+                v = v / sd[p + "act_scale"]
+        out[k] = v
+    return out
+
+
+def weight_only_layers(model: nn.Module) -> list[tuple[str, WeightOnlyLinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, WeightOnlyLinear)]
+

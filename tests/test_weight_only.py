@@ -1,0 +1,238 @@
+"""Weight-only int8 / int4 / bf16 layers, GPTQ, and the quantized model directory
+(`gptforge quantize --weights`). References: exact integer / float64 arithmetic, and GPTQ's
+direct formula from the paper (Frantar et al. 2022, eqs. 2-3: the OBQ update of W and H⁻¹,
+without Cholesky or lazy batches) written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptforge.compress.gptq import gptq_quantize
+from gptforge.transforms import lowbit
+from gptforge.transforms.weight_only import (
+    KERNEL_ENV,
+    WeightOnlyLinear,
+    WeightOnlySpec,
+    native_bf16,
+    packed_is_exact,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _auto_kernel(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+
+
+def test_int4_pack_round_trip_is_exact():
+    q = torch.randint(-8, 8, (7, 34), dtype=torch.int8)
+    packed = lowbit.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 17)
+    assert torch.equal(lowbit.unpack_int4(packed), q)
+    every = torch.arange(-8, 8, dtype=torch.int8).repeat(2, 2)  # every value in both nibbles
+    assert torch.equal(lowbit.unpack_int4(lowbit.pack_int4(every)), every)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 0), (8, 0), (8, 32)])
+def test_rtn_is_within_half_a_step(bits, group, sym):
+    w = torch.randn(16, 64)
+    q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
+    lo, hi = lowbit.qrange(bits)
+    assert int(q.min()) >= lo and int(q.max()) <= hi
+    err = (lowbit.dequantize(q, s, z, group) - w).abs()
+    step = s.repeat_interleave(group or 64, dim=1)
+    assert bool((err <= step / 2 + 1e-6).all())
+
+
+CASES = [(4, 32, True), (4, 64, False), (8, 0, True), (8, 32, False), (16, 0, True)]
+
+
+@pytest.mark.parametrize("awq", [False, True])
+@pytest.mark.parametrize("bits,group,sym", CASES)
+@pytest.mark.parametrize("kernel", ["auto", "packed", "bf16", "fp32"])
+def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group, sym, kernel, awq):
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    w, b = torch.randn(32, 128), torch.randn(32)
+    s = torch.rand(128) + 0.5 if awq and bits < 16 else None  # AWQ: the input divided by s first
+    m = WeightOnlyLinear.from_float(w, b, bits, group, sym, act_scale=s)
+    x = torch.randn(3, 5, 128)
+    ref = x.double() @ m.dequantized_weight().double().T + b.double()
+    chosen = m.kernel_for(x.reshape(-1, 128))
+    if kernel == "packed":
+        if bits == 16 or (bits == 8 and (group or not sym)):
+            assert chosen != "packed"  # no packed kernel for this format: the dequantized path
+        elif not packed_is_exact(bits):
+            pytest.skip(f"this CPU / torch build has no exact packed int{bits} kernel")
+        else:
+            assert chosen == "packed"
+    if kernel == "bf16":
+        assert chosen == "bf16"
+    if kernel == "fp32":
+        assert chosen == "fp32"
+    y = m(x).double()
+    assert y.shape == ref.shape
+    if chosen == "bf16":  # activations and weights rounded to bf16 (8 bits of mantissa)
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=5e-2 * float(ref.abs().mean()))
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_kernel_follows_the_probes():
+    m = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
+    want = "packed" if packed_is_exact(4) else "bf16" if native_bf16() else "fp32"
+    assert m.kernel_for(torch.randn(2, 64)) == want
+
+
+def test_bad_kernel_env_is_a_usage_error(monkeypatch):
+    from gptforge.errors import UsageError
+
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    m = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 8, 0, True)
+    with pytest.raises(UsageError, match=KERNEL_ENV):
+        m(torch.randn(1, 64))
+
+
+# ----------------------------------------------------------------------- GPTQ
+
+
+def _gptq_reference(W, H, bits, g, sym, damp):
+    """The paper's direct form: quantize column i, W[:, j>i] -= (w_i - q_i) / Hinv_ii · Hinv_ij,
+    then remove i from the inverse Hessian, Hinv -= Hinv[:, i] Hinv[i, :] / Hinv_ii; a group's
+    (scale, zero) from the current weights of its columns when its first column is reached."""
+    W = W.double().clone()
+    H = H.double().clone()
+    H += damp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    cols = W.shape[1]
+    Q = torch.zeros_like(W)
+    for i in range(cols):
+        if i % g == 0:
+            s, z = lowbit.group_params(W[:, i:i + g], bits, sym)
+        q = (lowbit.quantize_cols(W[:, i:i + 1], s, z, bits)[:, 0] - z) * s
+        Q[:, i] = q
+        err = (W[:, i] - q) / Hinv[i, i]
+        W[:, i + 1:] -= err[:, None] * Hinv[i, i + 1:][None, :]
+        Hinv = Hinv - Hinv[:, i:i + 1] @ Hinv[i:i + 1, :] / Hinv[i, i]
+    return Q
+
+
+def _layer(rows=12, cols=48, n=256):
+    torch.manual_seed(3)
+    X = torch.randn(n, cols, dtype=torch.float64) @ torch.randn(cols, cols, dtype=torch.float64) * 0.3
+    return torch.randn(rows, cols, dtype=torch.float64), X, 2 * X.T @ X / n
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_equals_the_papers_direct_formula(sym):
+    W, _, H = _layer()
+    q, s, z = gptq_quantize(W, H, 4, 16, sym, damp=0.01, block=32)  # lazy batches of 32 over 48 columns
+    ours = lowbit.dequantize(q, s.double(), z.double(), 16, torch.float64)
+    ref = _gptq_reference(W, H, 4, 16, sym, 0.01)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_output_error_is_at_most_rtn(act_order):
+    W, X, H = _layer()
+    W, X, H = W.float(), X.float(), H.float()
+    q, s, z = gptq_quantize(W, H, 4, 16, True, act_order=act_order)
+    rq, rs, rz = lowbit.quantize_rtn(W, 4, 16, True)
+    e_gptq = (X @ (lowbit.dequantize(q, s, z, 16) - W).T).pow(2).mean()
+    e_rtn = (X @ (lowbit.dequantize(rq, rs, rz, 16) - W).T).pow(2).mean()
+    assert e_gptq <= e_rtn
+
+
+def test_awq_search_never_loses_to_rtn_and_wins_on_outlier_channels():
+    from gptforge.compress.awq import awq_scale
+
+    torch.manual_seed(5)
+    X = torch.randn(512, 64)
+    X[:, :4] *= 30  # a few salient input channels, as in the paper's observation
+    W = torch.randn(24, 64)
+    s, err, rtn = awq_scale(W, X, 4, 32, True)
+    assert err <= rtn
+    assert err < 0.8 * rtn
+    assert bool((s[:4] > s[4:].max()).all())  # the salient channels got the larger scales
+    s_flat, err_flat, rtn_flat = awq_scale(W, torch.randn(512, 64), 4, 32, True)
+    assert err_flat <= rtn_flat
+
+
+# ----------------------------------------------------------------------- model directories
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    from gf_testutil import tiny_model
+    from gptforge.model_io import save_model_dir
+    from test_train_support import small_tokenizer
+
+    torch.manual_seed(0)
+    m, cfg = tiny_model()
+    d = tmp_path_factory.mktemp("wo") / "float"
+    save_model_dir(m, cfg, d, small_tokenizer())
+    text = d.parent / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and runs far away. " * 60)
+    return d, text
+
+
+@pytest.mark.parametrize("args", [("int4", "--method", "gptq", "--asym"), ("int8", "--head-bits", "4"),
+                                  ("bf16", "--head-bits", "16"), ("int4", "--method", "awq", "--head-bits", "32")])
+def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, args):
+    from gptforge.model_io import load_model
+    from gptforge.transforms.weight_only import weight_only_layers
+
+    src, text = float_dir
+    out = tmp_path / "q"
+    code, stdout, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", *args, "--calib", text,
+                                "--samples", "4", "--seq-len", "32", "--group-size", "32" if args[0] != "bf16" else "0")
+    assert code == 0, err
+    assert "gptforge quantize: weights" in stdout
+    q, _ = load_model(out)
+    f, _ = load_model(src)
+    assert len(weight_only_layers(q)) == 4 * 2 + (1 if "32" not in args else 0)
+    assert ("awq" in args) == hasattr(q.blocks[0].linear1, "act_scale")
+    ids = torch.randint(0, 4096, (2, 16))
+    lq, lf = q(ids).logits, f(ids).logits
+    rel = float((lq - lf).detach().norm() / lf.detach().norm())
+    assert rel < {"int4": 0.3, "int8": 0.3, "bf16": 0.05}[args[0]]
+    plain, _ = load_model(out, with_structure=False)  # float weights of the quantized model
+    torch.testing.assert_close(plain(ids).logits, lq, rtol=1e-3, atol=1e-3)
+    code, stdout, err = run_cli("generate", "--ckpt", out, "--prompt", "the quick", "-o",
+                                "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=4",
+                                "--no-stream")
+    assert code == 0, err
+    assert stdout.startswith("the quick")
+    code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table
+    assert code == 0, err
+    assert "blocks.1.linear2" in stdout and ("bf16" if args[0] == "bf16" else f"int{args[0][-1]}") in stdout
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--weights", "int4", "--convert"), "--convert"),
+    (("--weights", "int4"), "--out"),
+    (("--weights", "bf16", "--group-size", "32", "--out", "X"), "bf16"),
+    (("--weights", "int4", "--damp", "2", "--out", "X"), "--damp"),
+    (("--weights", "int4", "--method", "awq", "--act-order", "--out", "X"), "--act-order"),
+    (("--asym", "--convert", "--out", "X"), "--asym"),
+    (("--weights", "int4", "--method", "gptq", "--calib", "MISSING", "--out", "X"), "--calib"),
+])
+def test_bad_flags_are_one_line_errors(run_cli, float_dir, tmp_path, extra, needle):
+    src, _ = float_dir
+    extra = tuple(str(tmp_path / "o") if a == "X" else str(tmp_path / "missing.txt") if a == "MISSING" else a
+                  for a in extra)
+    code, _, err = run_cli("quantize", "--ckpt", src, *extra)
+    assert code == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_group_size_that_does_not_divide_is_a_config_error(float_dir):
+    from gptforge.errors import ConfigError
+    from gptforge.model_io import load_model
+    from gptforge.transforms.weight_only import quantize_rtn_model
+
+    m, _ = load_model(float_dir[0])
+    with pytest.raises(ConfigError, match="--group-size 128"):
+        quantize_rtn_model(m, WeightOnlySpec(bits=4, group_size=128))
