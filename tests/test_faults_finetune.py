@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,10 +152,15 @@ def test_sigterm_saves_the_step_then_resume_continues_exactly(tmp_path, base, ss
     y = _yaml(tmp_path, sst2, base, out, num_train_epochs=8)  # 48 steps: the schedule spans them all
     done = interrupt_after(["finetune", "-c", str(y), "--no-progress"], out, 3, signal.SIGTERM)
     assert done.returncode == 143, done.stderr
-    saved = sorted(out.glob("step_*"))
-    assert len(saved) == 1 and "Traceback" not in done.stderr, done.stderr
-    n = int(saved[0].name.split("_")[1])
-    assert 3 <= n < 48 and f"SIGTERM at step {n}: checkpoint {saved[0]}" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    # The step the signal lands in is saved: a step_N directory, or the epoch's own checkpoint when
+    # it landed in an epoch's last step (a loaded machine delivers it late).
+    said = re.search(r"SIGTERM at step (\d+): checkpoint (\S+?);", done.stderr)
+    assert said, done.stderr
+    n, saved = int(said.group(1)), Path(said.group(2))
+    assert 3 <= n < 48 and saved.is_dir() and saved.parent == out, done.stderr
+    assert saved.name == f"step_{n}" or (saved.name.startswith("epoch_") and n % 6 == 0), done.stderr
+    assert len(list(out.glob("step_*"))) <= 1
     assert not (out / LOCK_NAME).exists()
 
     code, _, err = run_cli("finetune", "-c", y, "--resume", "auto", "--no-progress")
