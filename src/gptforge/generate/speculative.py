@@ -67,8 +67,8 @@ def check_same_tokenizer(draft_tok, target_tok, draft_name, target_name) -> None
 
 
 # ------------------------------------------------------------------------------ acceptance
-# The per-row acceptance rules, shared by `SpeculativeDecoder` (generate, infer) and the
-# continuous-batching engine of `gptforge serve`.
+# The per-row acceptance rules of the one decoding engine's speculative rounds
+# (`generate.engine.spec`), whichever client (generate, infer, serve) runs it.
 
 def align_draft_logits(logits: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
     """Draft logits [..., Vd] as float32 on the target's `device` and vocabulary width (ids the
