@@ -342,6 +342,8 @@ def read_pairs(model: nn.Module, adapter_dir: str | os.PathLike) -> tuple[list[t
     dora = bool(config.get("use_dora"))
     out: list[tuple[str, str, LoraPair]] = []
     for hf, t in sorted(modules.items()):
+        if "A" not in t or "B" not in t:
+            raise CheckpointError(f"{path / WEIGHTS_FILE}: {hf} lacks lora_A or lora_B")
         if ("m" in t) != dora:
             raise CheckpointError(f"{path / WEIGHTS_FILE}: {hf} {'lacks' if dora else 'has'} lora_magnitude_vector "
                                   f"but {CONFIG_FILE} says use_dora={dora}")
