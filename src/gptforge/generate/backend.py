@@ -136,7 +136,7 @@ def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.
     """A LoRA pair's B·A·x through packed A and B: the same per-row results whatever rows share
     the GEMM, so an adapter's tokens decode alike alone (`generate --adapter`) and served in a
     batch mixed with other adapters' rows (adapters.multi)."""
-    if x.dtype == torch.float32 and not x.requires_grad:
+    if x.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or pair.lora_A.requires_grad)):
         mid = torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(mid, b, None, "none", [], "")
     return F.linear(F.linear(x, pair.lora_A), pair.lora_B)
