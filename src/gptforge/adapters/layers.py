@@ -100,13 +100,18 @@ class LoraPair(nn.Module):
         w = weight.detach().float() + self.scaling * (self.lora_B.detach() @ self.lora_A.detach())
         return torch.linalg.norm(w, dim=1)
 
+    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """B·A·x (unscaled). A decoding backend may replace it on the instance with packed-weight
+        GEMMs whose per-row results do not depend on the row count (generate.backend)."""
+        return F.linear(F.linear(x, self.lora_A), self.lora_B)
+
     def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         """y (the base output over this block's rows) plus this update."""
         drop = self.training and self.dropout_p > 0
         x = x.to(self.lora_A.dtype)
         xd = F.dropout(x, self.dropout_p, True) if drop else x
-        lora = F.linear(F.linear(xd, self.lora_A), self.lora_B)
+        lora = self.low_rank(xd)
         if self.magnitude is None:
             return y + (lora * self.scaling).to(y.dtype)
         scale = self.magnitude / self.row_norm(weight)
@@ -151,6 +156,23 @@ def base_forward(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(base, Int8Linear) and torch.is_grad_enabled() and x.requires_grad:
         return _Int8InputGrad.apply(x, base)
     return base(x)
+
+
+def apply_pairs(pairs: nn.ModuleDict, head_dim: int | None, x: torch.Tensor, y: torch.Tensor,
+                weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y (a base Linear's output over inputs x) plus the updates `pairs` ({full} or q/k/v
+    slices of a fused QKV with `head_dim`); `weight`: the base's effective weight (DoRA only)."""
+    if FULL in pairs:
+        return pairs[FULL](x, y, weight, bias)
+    lead = y.shape[:-1]
+    parts = list(y.reshape(*lead, -1, 3, head_dim).unbind(-2))  # [.., heads, hd] per slice
+    for name, pair in pairs.items():
+        j = QKV_SLICES.index(name)
+        part = parts[j].reshape(*lead, -1)
+        new = pair(x, part, None if weight is None else slice_rows(weight, head_dim, name),
+                   None if bias is None else slice_rows(bias, head_dim, name))
+        parts[j] = new.reshape(parts[j].shape)
+    return torch.stack(parts, dim=-2).reshape(y.shape)
 
 
 class LoraLinear(nn.Module):
@@ -201,18 +223,7 @@ class LoraLinear(nn.Module):
         if self.merged or not len(self.adapters):
             return y
         w = effective_weight(self.base) if any(p.dora for p in self.adapters.values()) else None
-        b = getattr(self.base, "bias", None)
-        if FULL in self.adapters:
-            return self.adapters[FULL](x, y, w, b)
-        lead = y.shape[:-1]
-        parts = list(y.reshape(*lead, -1, 3, self.head_dim).unbind(-2))  # [.., heads, hd] per slice
-        for name, pair in self.adapters.items():
-            j = QKV_SLICES.index(name)
-            part = parts[j].reshape(*lead, -1)
-            new = pair(x, part, None if w is None else self.slice_rows(w, name),
-                       None if b is None else self.slice_rows(b, name))
-            parts[j] = new.reshape(parts[j].shape)
-        return torch.stack(parts, dim=-2).reshape(y.shape)
+        return apply_pairs(self.adapters, self.head_dim, x, y, w, getattr(self.base, "bias", None))
 
     def set_rows(self, t: torch.Tensor, name: str, rows: torch.Tensor) -> None:
         """Write slice `name`'s rows of a [out, ...] tensor in place (inverse of `slice_rows`)."""

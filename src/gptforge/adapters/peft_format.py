@@ -323,24 +323,27 @@ def _split_slices(t: dict, slices: dict, hd: int, rslora: bool, dropout: float, 
     return out
 
 
-def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
-    """Add the adapters of a PEFT adapter directory (ours or peft's) to `model` in place; the
-    base is frozen as for training. Returns the adapted module names (HF names)."""
+HEAD = "head"  # the target of a head (lm_head) pair in `read_pairs`
+
+
+def read_pairs(model: nn.Module, adapter_dir: str | os.PathLike) -> tuple[list[tuple[str, str, LoraPair]], list[str]]:
+    """The adapters of a PEFT adapter directory (ours or peft's) built for `model`, not attached:
+    ([(our module path or HEAD, `full` or a q/k/v slice, pair)], the adapted HF module names).
+    Every shape is checked against the model (CheckpointError naming the file and tensor)."""
     path = Path(adapter_dir)
     config, tensors, meta = _read(path)
     f = path / CONFIG_FILE
     _check_config(config, f)
-    if has_adapters(model):
-        raise UsageError(f"{path}: the model already has adapters; load one adapter directory at a time")
     _check_uniform(model)
     rslora, dropout = bool(config.get("use_rslora")), float(config.get("lora_dropout") or 0.0)
     modules = _group(tensors, path / WEIGHTS_FILE)
     if not modules:
         raise CheckpointError(f"{path / WEIGHTS_FILE}: holds no LoRA tensors")
-    for p in model.parameters():
-        p.requires_grad_(False)
     dora = bool(config.get("use_dora"))
+    out: list[tuple[str, str, LoraPair]] = []
     for hf, t in sorted(modules.items()):
+        if "A" not in t or "B" not in t:
+            raise CheckpointError(f"{path / WEIGHTS_FILE}: {hf} lacks lora_A or lora_B")
         if ("m" in t) != dora:
             raise CheckpointError(f"{path / WEIGHTS_FILE}: {hf} {'lacks' if dora else 'has'} lora_magnitude_vector "
                                   f"but {CONFIG_FILE} says use_dora={dora}")
@@ -348,7 +351,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
         alpha = float(config.get("lora_alpha", 8) if alpha is None else alpha)
         if hf == "lm_head":
             w = model.wte.weight
-            attach_head(model, _pair(t, alpha, rslora, dropout, hf, path, w.shape[0], w.shape[1]))
+            out.append((HEAD, FULL, _pair(t, alpha, rslora, dropout, hf, path, w.shape[0], w.shape[1])))
             continue
         i, kind = _HF_MODULE.match(hf).groups()
         if int(i) >= len(model.blocks):
@@ -357,20 +360,36 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
         mod = model.get_submodule(ours)
         out_f, in_f = mod.out_features, mod.in_features
         if kind != "attn.c_attn":
-            attach(model, ours, FULL, _pair(t, alpha, rslora, dropout, hf, path, out_f, in_f))
+            out.append((ours, FULL, _pair(t, alpha, rslora, dropout, hf, path, out_f, in_f)))
             continue
         hd = model.blocks[int(i)].attn.head_dim
         slices = (meta.get("qkv_slices") or {}).get(hf)
         if slices:
             scaling = lora_scaling(alpha, t["A"].shape[0], rslora)
             for name, pair in _split_slices(t, slices, hd, rslora, dropout, hf, path, out_f // 3, in_f, scaling).items():
-                attach(model, ours, name, pair)
+                out.append((ours, name, pair))
             continue
         fused = {"A": t["A"], "B": _qkv_from_hf(t["B"], hd)} if "B" in t else dict(t)
         if "m" in t:
             fused["m"] = _qkv_from_hf(t["m"], hd)
-        attach(model, ours, FULL, _pair(fused, alpha, rslora, dropout, hf, path, out_f, in_f))
-    return sorted(modules)
+        out.append((ours, FULL, _pair(fused, alpha, rslora, dropout, hf, path, out_f, in_f)))
+    return out, sorted(modules)
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> list[str]:
+    """Add the adapters of a PEFT adapter directory (ours or peft's) to `model` in place; the
+    base is frozen as for training. Returns the adapted module names (HF names)."""
+    if has_adapters(model):
+        raise UsageError(f"{adapter_dir}: the model already has adapters; load one adapter directory at a time")
+    pairs, names = read_pairs(model, adapter_dir)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for target, name, pair in pairs:
+        if target == HEAD:
+            attach_head(model, pair)
+        else:
+            attach(model, target, name, pair)
+    return names
 
 
 def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:

@@ -3,6 +3,7 @@
     gptforge serve --ckpt DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--device cpu]
     gptforge serve --ckpt ONNX_DIR --backend onnx
     gptforge serve --ckpt DIR -o Generation.draft=DRAFT_DIR [-o Generation.num_draft_tokens=K|auto]
+    gptforge serve --ckpt BASE --adapter sql=SQL_DIR --adapter chat=CHAT_DIR   # LoRA adapters by name
 
 Serves every model directory `generate` reads (ours, QAT, INT8, pruned, HF, .pdparams) with
 the torch backend, and `gptforge export --format onnx` directories with onnxruntime (docs/serve.md).
@@ -25,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, ckpt_help="model directory (ours, QAT, INT8, pruned, HF GPT-2, .pdparams), or with "
                                  "--backend onnx a `gptforge export --format onnx` directory")
     p.add_argument("--backend", default="torch", choices=("torch", "onnx"), help="torch (default) or onnx (onnxruntime)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a LoRA/DoRA adapter directory (PEFT format) over --ckpt as model NAME (a bare DIR: "
+                        "named after the directory); repeat for several, decoded together in one batch "
+                        "(docs/serve.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory name)")
@@ -80,6 +85,25 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise UsageError(f"--request-timeout: must be a number of seconds > 0, got {args.request_timeout}")
+
+
+def parse_adapters(values: list[str], base_name: str) -> list[tuple[str, str]]:
+    """(name, directory) of each `--adapter NAME=DIR` (or bare DIR, named after it); names are
+    unique and differ from the base's."""
+    out: list[tuple[str, str]] = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or "/" in name or os.sep in name or Path(v).is_dir():
+            name, path = Path(v).resolve().name, v
+        if not path:
+            raise UsageError(f"--adapter {v}: give NAME=DIR (the adapter directory after '=')")
+        if name == base_name:
+            raise UsageError(f"--adapter {v}: {name!r} is the base model's name; give the adapter another "
+                             "(--adapter NAME=DIR) or the base one with --model-name")
+        if name in (n for n, _ in out):
+            raise UsageError(f"--adapter {v}: the name {name!r} is given twice; give each adapter its own name")
+        out.append((name, path))
+    return out
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -146,7 +170,15 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.serve.server import DrainingServer, ServeOptions, build_state
 
     name = args.model_name or Path(args.ckpt).resolve().name
+    adapters = parse_adapters(args.adapter, name)
+    if adapters and args.backend != "torch":
+        raise UsageError(f"--adapter: adapters are served over our model directories (--backend torch), not over "
+                         f"an {args.backend} export; merge one into the model before exporting instead")
     model, cfg, tok = load_served_model(args)
+    if adapters:
+        from gptforge.adapters.multi import serve_adapters
+
+        serve_adapters(model, adapters)
     draft = load_served_draft(args, model, cfg, tok)
     opts = ServeOptions(model_name=name, host=args.host, port=args.port, api_key=key,
                         max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight,
@@ -159,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
 
     def announce(port: int) -> None:  # once bound: the real port, also for --port 0
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"gptforge serve: {name} ({args.backend}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+        served = f" + adapters {', '.join(n for n, _ in adapters)}" if adapters else ""
+        print(f"gptforge serve: {name}{served} ({args.backend}) on http://{host}:{port}/v1", file=sys.stderr,
+              flush=True)
 
     server = DrainingServer(state, opts, log_level=args.log_level, on_started=announce)
     server.run()

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptforge.adapters.layers import LoraPair
+from gptforge.adapters.multi import router_of
+
 
 @runtime_checkable
 class StepBackend(Protocol):
@@ -87,8 +90,9 @@ class _Packed:
 # a 64-token generation). A copy is reused only if it comes from the same Parameter object with
 # the same storage, version counter (bumped by every in-place update: optimizer steps,
 # load_state_dict, copy_) and content fingerprint (catches writes through `.data`); otherwise it
-# is rebuilt. The entry dies with its module; `release_packed(model)` frees it earlier.
-_PACKED: weakref.WeakKeyDictionary[nn.Module, _Packed] = weakref.WeakKeyDictionary()
+# is rebuilt. The entries die with their module; `release_packed(model)` frees them earlier. A
+# module may have several packed weights (a LoRA pair's A and B), by name.
+_PACKED: weakref.WeakKeyDictionary[nn.Module, dict[str, _Packed]] = weakref.WeakKeyDictionary()
 
 
 def _stamp(weight: torch.Tensor, rows: int) -> tuple:
@@ -101,16 +105,18 @@ def _stamp(weight: torch.Tensor, rows: int) -> tuple:
     return weight.data_ptr(), version, fingerprint, rows
 
 
-def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """`weight` reordered by oneDNN for GEMMs of about `rows` rows, cached per module."""
+def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int, name: str = "weight") -> torch.Tensor:
+    """`weight` (the module's `name`) reordered by oneDNN for GEMMs of about `rows` rows, cached
+    per module and name."""
     layout = 1 if rows == 1 else 8  # one-row GEMV vs small-batch blocking (the backend uses the latter)
     stamp = _stamp(weight, layout)
-    entry = _PACKED.get(module)
+    entries = _PACKED.setdefault(module, {})
+    entry = entries.get(name)
     if entry is not None and entry.weight() is weight and entry.stamp == stamp:
         return entry.tensor
-    _PACKED.pop(module, None)  # free the stale copy before making the new one
+    entries.pop(name, None)  # free the stale copy before making the new one
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), layout)
-    _PACKED[module] = _Packed(weakref.ref(weight), stamp, packed)
+    entries[name] = _Packed(weakref.ref(weight), stamp, packed)
     return packed
 
 
@@ -126,6 +132,16 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) ->
     return F.linear(x, module.weight, module.bias)
 
 
+def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A LoRA pair's B·A·x through packed A and B: the same per-row results whatever rows share
+    the GEMM, so an adapter's tokens decode alike alone (`generate --adapter`) and served in a
+    batch mixed with other adapters' rows (adapters.multi)."""
+    if x.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or pair.lora_A.requires_grad)):
+        mid = torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(mid, b, None, "none", [], "")
+    return F.linear(F.linear(x, pair.lora_A), pair.lora_B)
+
+
 class TorchBackend:
     """`StepBackend` over our `GPT` (or any module with the same `hidden_states` / `logits` /
     `new_cache` API) and its preallocated `KVCache`.
@@ -136,7 +152,8 @@ class TorchBackend:
     (`with TorchBackend(m) as b:`): a decode step is a handful of skinny matrix products bound
     by reading the weights, which the packed layout does faster than MKL's GEMM on row-major
     weights (see docs/generate.md for figures), and its per-row results do not depend on the
-    number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant. The
+    number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant (LoRA pairs'
+    A and B are packed too, so adapters stay batch-invariant, also served several at once). The
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
     while the weights are unchanged (`release_packed(model)` frees them). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
@@ -158,6 +175,7 @@ class TorchBackend:
         self._open = False
         self._packed_rows = 0  # 0: not packed (yet)
         self._slot_layout: tuple | None = None
+        self._router = None  # the served adapters' router (adapters.multi), found at the first routed step
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -180,7 +198,7 @@ class TorchBackend:
         return self._packed_rows if self._head is not None or self._patched else 0
 
     def _pack(self, rows: int) -> None:
-        """Route Linears (and the head) through weights packed for GEMMs of `rows` rows."""
+        """Route Linears, LoRA pairs and the head through weights packed for GEMMs of `rows` rows."""
         self._packed_rows = rows
         try:
             for mod in self.model.modules():
@@ -188,6 +206,11 @@ class TorchBackend:
                 if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
                     packed = packed_weight(mod, mod.weight, rows)
                     mod.forward = lambda x, _m=mod, _p=packed: _packed_forward(_m, _p, x)
+                    self._patched.append(mod)
+                elif isinstance(mod, LoraPair) and "low_rank" not in mod.__dict__ and mod.lora_A.dtype == torch.float32:
+                    a = packed_weight(mod, mod.lora_A, rows, "lora_A")
+                    b = packed_weight(mod, mod.lora_B, rows, "lora_B")
+                    mod.low_rank = lambda x, _m=mod, _a=a, _b=b: _packed_low_rank(_m, _a, _b, x)
                     self._patched.append(mod)
             if type(self.model.wte) is nn.Embedding:
                 self._head = packed_weight(self.model.wte, self.model.wte.weight, rows)
@@ -197,6 +220,7 @@ class TorchBackend:
     def _unpack(self) -> None:
         for mod in self._patched:
             mod.__dict__.pop("forward", None)
+            mod.__dict__.pop("low_rank", None)
         self._patched.clear()
         self._head = None
 
@@ -252,9 +276,20 @@ class TorchBackend:
         """One forward over a `RaggedBatch` (each sequence's new tokens, packed into one row);
         returns the logits [R, V] of the rows `batch` asks for, in its order."""
         self._ensure_packed()
-        h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
+        with self._routed(getattr(batch, "adapter_rows", None)):
+            h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
         batch.commit()
         return self.project(h.index_select(0, batch.logits_index))
+
+    def _routed(self, rows):
+        """Route the rows of served adapters (`rows`: name -> rows of the packed row) for one pass."""
+        if not rows:
+            return contextlib.nullcontext()
+        if self._router is None:
+            self._router = router_of(self.model) or False
+        if not self._router:
+            raise ValueError(f"the model serves no LoRA adapters (asked for {sorted(rows)})")
+        return self._router.route(rows, self.device)
 
     @torch.inference_mode()
     def step_all(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:

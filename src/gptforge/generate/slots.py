@@ -6,7 +6,8 @@ sequences: their new tokens (a prefill chunk or one decode token each) are packe
 row `[1, sum T_i]`, so every Linear runs once over all of them, and attention is computed per
 sequence over its own slot, with exactly the mask a solo `generate` would use (no padding
 inside attention). With the backend's batch-invariant Linears this makes each sequence's
-logits independent of what shares its batch.
+logits independent of what shares its batch. A segment may name a served LoRA adapter: the
+batch lists each adapter's rows (`adapter_rows`) for the backend to route (adapters.multi).
 
 `SequentialSlots` gives the same interface over any `StepBackend` (e.g. onnxruntime): one
 batch-1 cache per sequence and one backend step per sequence and chunk.
@@ -60,6 +61,7 @@ class Segment:
     start: int  # position of the first new token (= tokens already in the slot)
     want_logits: bool  # return the logits after its last token
     all_logits: bool = False  # return the logits after every one of its tokens (speculative verification)
+    adapter: str | None = None  # the served LoRA adapter its tokens decode with (None: the base)
 
 
 class RaggedBatch:
@@ -68,6 +70,7 @@ class RaggedBatch:
     def __init__(self, segments: Sequence[Segment], device):
         self.segments = list(segments)
         ids, pos, want, offset = [], [], [], 0
+        self.adapter_rows: dict[str, list[int]] = {}  # adapter name -> its rows of the packed row
         filled: dict[int, int] = {}  # a slot may get several consecutive segments (prompt chunks) in one step
         for s in self.segments:
             n = len(s.token_ids)
@@ -78,6 +81,8 @@ class RaggedBatch:
             filled[id(s.slot)] = s.start + n
             ids += s.token_ids
             pos += range(s.start, s.start + n)
+            if s.adapter is not None:
+                self.adapter_rows.setdefault(s.adapter, []).extend(range(offset, offset + n))
             offset += n
             if s.all_logits:
                 want += range(offset - n, offset)
@@ -155,6 +160,8 @@ class SequentialSlots:
     def step(self, segments: Sequence[Segment]) -> torch.Tensor:
         rows = []
         for s in segments:
+            if s.adapter is not None:  # never silently the base's output
+                raise ValueError(f"{type(self.backend).__name__} cannot serve LoRA adapters (adapter {s.adapter!r})")
             if s.all_logits and not hasattr(self.backend, "step_all"):  # never silently wrong
                 raise ValueError(f"{type(self.backend).__name__} cannot return the logits of every position")
             n = len(s.token_ids)

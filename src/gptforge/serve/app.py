@@ -36,7 +36,7 @@ class ServeState:
 
     engine: EngineService
     tokenizer: object
-    model_name: str
+    model_name: str  # the base model's served name
     max_positions: int
     vocab_size: int
     metrics: ServeMetrics
@@ -47,6 +47,7 @@ class ServeState:
     request_timeout: float | None = None  # seconds from arrival; None = no limit
     max_prompt_chars: int | None = None  # longer text cannot fit the context (None: no cheap bound)
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request omits (ServeOptions)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served by name over the base
     close: object = None  # releases the backend (the packed weights) when the server stops
     draining: bool = False
     inflight: int = 0
@@ -172,15 +173,23 @@ async def metrics(request: Request):
 
 
 async def models(request: Request):
+    """The base and each adapter (`parent`: the base, as vLLM lists LoRA modules)."""
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "gptforge"}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                        "owned_by": "gptforge", "parent": parent}
+                                       for name, parent in [(state.model_name, None)]
+                                       + [(a, state.model_name) for a in state.adapters]]}
 
 
-def _check_model(state: ServeState, name: str) -> None:
-    if name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves `{state.model_name}`)",
-                       param="model", code="model_not_found")
+def _check_model(state: ServeState, name: str) -> str | None:
+    """The adapter a request's `model` picks (None: the base); 404 naming the served models."""
+    if name == state.model_name:
+        return None
+    if name in state.adapters:
+        return name
+    served = ", ".join(f"`{m}`" for m in [state.model_name, *state.adapters])
+    raise APIError(404, f"The model `{name}` does not exist (this server serves {served})",
+                   param="model", code="model_not_found")
 
 
 def _check_prompt(state: ServeState, ids: list[int], max_tokens: int, i: int) -> None:
@@ -211,14 +220,15 @@ def _check_chars(state: ServeState, text: str, what: str) -> None:
 _OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
 
 
-def _params(state: ServeState, body, max_tokens: int, stop: list[str], logprobs: int | None) -> SamplingParams:
+def _params(state: ServeState, body, max_tokens: int, stop: list[str], logprobs: int | None,
+            adapter: str | None = None) -> SamplingParams:
     def pick(name: str):
         given = getattr(body, name)
         return given if given is not None else state.sampling_defaults.get(name, _OPENAI_DEFAULTS[name])
 
     return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
                           top_k=max(pick("top_k"), 0), repetition_penalty=body.repetition_penalty,
-                          seed=pick("seed"), stop=stop, logprobs=logprobs)
+                          seed=pick("seed"), stop=stop, logprobs=logprobs, adapter=adapter)
 
 
 async def _collect(request: Request, run: Run) -> None:
@@ -256,7 +266,7 @@ async def _completion_prompts(state: ServeState, body: CompletionRequest) -> tup
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
     tok = state.tokenizer
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     prompts, texts = await _completion_prompts(state, body)
     if not prompts:
         raise APIError(400, "prompt: empty list", param="prompt")
@@ -265,9 +275,9 @@ async def completions(body: CompletionRequest, request: Request):
         _check_prompt(state, ids, max_tokens, i)
     if texts is None:  # token-id prompts: their text only for echo, once they are known to fit
         texts = [tok.decode(x) for x in prompts] if body.echo else [""] * len(prompts)
-    run = Run(state, prompts, _params(state, body, max_tokens, body.stops(), body.logprobs), body.n)
+    run = Run(state, prompts, _params(state, body, max_tokens, body.stops(), body.logprobs, adapter), body.n)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
+            "model": body.model}
 
     def prefix(i: int) -> str:
         return texts[i // body.n] if body.echo else ""
@@ -305,7 +315,7 @@ def _chat_chunk(tok, ev) -> dict:
 async def chat_completions(body: ChatRequest, request: Request):
     state = _state(request)
     tok = state.tokenizer
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     _check_chars(state, "".join(m["content"] for m in msgs), "messages")
     try:
@@ -318,9 +328,10 @@ async def chat_completions(body: ChatRequest, request: Request):
                   or max(1, state.max_positions - len(ids)))
     _check_prompt(state, ids, max_tokens, 0)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    run = Run(state, [ids], _params(state, body, max_tokens, body.stops() + state.chat.stop, logprobs), body.n)
+    run = Run(state, [ids], _params(state, body, max_tokens, body.stops() + state.chat.stop, logprobs, adapter),
+              body.n)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name}
+            "model": body.model}
     if body.stream:
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(len(run.choices))]

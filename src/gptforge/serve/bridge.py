@@ -46,6 +46,7 @@ class Run:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
         state.inflight += 1
         state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        state.metrics.model_requests.labels(params.adapter or state.model_name).inc()
 
     def _sink(self, ev) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)

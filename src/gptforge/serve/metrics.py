@@ -16,6 +16,8 @@ class ServeMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("gptforge_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.model_requests = Counter("gptforge_model_requests", "accepted requests by served model (base or adapter)",
+                                      ["model"], registry=r)
         self.prompt_tokens = Counter("gptforge_prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter("gptforge_generation_tokens", "tokens generated", registry=r)
         self.draft_tokens = Counter("gptforge_draft_tokens", "tokens proposed by the draft model (speculative decoding)",

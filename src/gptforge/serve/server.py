@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptforge.adapters.multi import router_of
 from gptforge.errors import ConfigError
 from gptforge.generate.backend import TorchBackend
 from gptforge.generate.engine import EngineCore, EngineService, SchedulerConfig
@@ -54,7 +55,8 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     """A started engine and the app state over our model (ragged batching) or any StepBackend
     (e.g. onnxruntime: one batch-1 step per sequence). `draft` (a model or StepBackend with the
     same tokenizer, already checked) turns on speculative decoding with
-    `generation.num_draft_tokens`; the target must score several tokens per step (ours, ONNX)."""
+    `generation.num_draft_tokens`; the target must score several tokens per step (ours, ONNX).
+    Adapters loaded over our model with `adapters.multi.serve_adapters` are served by name."""
     from gptforge.generate.api import special_ids
     from gptforge.generate.speculative import parse_num_draft_tokens
 
@@ -87,11 +89,13 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
                       tokenizer=tokenizer, scheduler=sched, metrics=metrics, draft_slots=draft_slots,
                       num_draft_tokens=generation.num_draft_tokens, draft_max_positions=draft_max)
     engine = EngineService(core).start()
+    router = router_of(model_or_backend) if isinstance(model_or_backend, torch.nn.Module) else None
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
                       ChatTemplate(opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
                       max_body_bytes=opts.max_body_bytes, request_timeout=opts.request_timeout,
                       max_prompt_chars=prompt_char_limit(tokenizer, backend.max_positions),
                       sampling_defaults=dict(opts.sampling_defaults),
+                      adapters=list(router.names) if router is not None else [],
                       close=close if closers else None)
 
 

@@ -1,9 +1,9 @@
 """`SamplingParams`: how one request is decoded, the one sampling type of every client (generate,
 stream, infer, the lm-eval adapter, serve). `GenerationConfig` maps onto it in one function.
 
-Seams for later work: a request names its model variant through `adapter` (LoRA adapters served
-by name over one base, issue #31); the KV cache dtype and low-bit weights belong to the slots /
-backend, not here (issue #32).
+A request names its model variant through `adapter`: a LoRA adapter served by name over the
+base (adapters.multi; the runner hands it to the slots per segment). The KV cache dtype and
+low-bit weights belong to the slots / backend, not here (issue #32).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (the text is cut before them)
     logprobs: int | None = None  # None: none; k: the chosen token's log-prob and the k best
     n: int = 1  # sequences per prompt
-    adapter: str | None = None  # the model variant to decode with (None: the base); see the module docstring
+    adapter: str | None = None  # the served LoRA adapter to decode with (None: the base); see the module docstring
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,9 @@ class Work:
 def run_step(slots, works: Seq[Work], draft: bool = False) -> list[torch.Tensor | None]:
     """Run `works` in one step of `slots` (the draft's slots with `draft`); per work, its logits
     ([n, V] with `all_logits`, [V] with `want`, else None)."""
-    segs = [Segment(w.seq.dslot if draft else w.seq.slot, w.tokens, w.start, w.want, w.all_logits) for w in works]
+    # The draft model proposes without the request's adapter; the target verifies with it.
+    segs = [Segment(w.seq.dslot if draft else w.seq.slot, w.tokens, w.start, w.want, w.all_logits,
+                    None if draft else w.seq.params.adapter) for w in works]
     if not segs:
         return []
     logits = slots.step(segs)
