@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PLAIN = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
 GREEDY = ["-o", "Generation.decode_strategy=greedy_search"]
+PROMPT = r"(?:^|\n)> "  # the REPL's prompt on a terminal
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,161 @@ def test_serve_and_chat_build_the_same_prompt(ckpt, model, tmp_path):
             "model": "tiny", "messages": msgs, "max_tokens": 12, "temperature": 0}).json()
     assert r["usage"]["prompt_tokens"] == reply.prompt_tokens
     assert r["choices"][0]["message"]["content"].strip() == reply.text == "".join(pieces).rstrip()
+
+
+# ------------------------------------------------------------------ the verb, in a terminal and a pipe
+
+def _cli(*args) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "gptforge", "chat", *map(str, args)]
+
+
+def _env() -> dict:
+    import os
+
+    # one thread (a tiny model, a busy machine); TERM=dumb: readline writes no escape sequences
+    return dict(os.environ, OMP_NUM_THREADS="1", TERM="dumb")
+
+
+class Terminal:
+    """A process whose stdin, stdout and stderr are a pseudo-terminal it controls (so ^C and ^D
+    typed there are SIGINT and end of input, as in a real terminal)."""
+
+    def __init__(self, argv):
+        import fcntl
+        import os
+        import pty
+        import subprocess
+        import termios
+
+        self.fd, follower = pty.openpty()
+
+        def take_terminal():  # runs in the child after setsid: the pty becomes its controlling tty
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=_env(),
+                                     start_new_session=True, preexec_fn=take_terminal, close_fds=True)
+        os.close(follower)
+        self.seen = ""  # everything read so far
+        self.mark = 0  # where the last match ended
+        self.code: int | None = None
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """Wait for the process to end by itself, unless the test failed: then stop it."""
+        import os
+
+        try:
+            if exc_type is None:
+                self.code = self.proc.wait(timeout=120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.fd)
+
+    def expect(self, pattern: str, timeout: float = 300) -> re.Match:
+        """Read until `pattern` matches what came after the last match; that match."""
+        import os
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.compile(pattern, re.S).search(self.seen, self.mark)
+            if m:
+                self.mark = m.end()
+                return m
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.seen[-3000:]}")
+            try:
+                data = os.read(self.fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                raise AssertionError(f"the process ended before {pattern!r}:\n{self.seen[-3000:]}")
+            # (the whole text: a "\r\n" may arrive split over two reads)
+            self.seen = (self.seen + data.decode(errors="replace")).replace("\r\n", "\n")
+
+    def type(self, text: str) -> None:
+        import os
+
+        os.write(self.fd, text.encode())
+
+
+
+def test_terminal_reset_and_end_of_input(ckpt, tmp_path):
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    with Terminal(_cli("--ckpt", ckpt, "--chat-template", tmp_path / "plain.jinja", "--max-new-tokens", 6,
+                       "--verbose", *GREEDY)) as t:
+        counts, answers = [], []
+        for line in ("Hello", "Hello", "/reset", "Hello"):
+            t.expect(PROMPT)
+            t.type(line + "\n")
+            if line == "/reset":
+                t.expect(r"history cleared")
+                continue
+            m = t.expect(re.escape(line) + r"\n(.*?)\n.*?\[prompt (\d+) tokens")
+            answers.append(m[1])
+            counts.append(int(m[2]))
+        # the second prompt holds the first turn; after /reset the prompt (and the greedy answer) is the first's
+        assert counts[1] > counts[0] and counts[2] == counts[0] and answers[2] == answers[0]
+        t.expect(PROMPT)
+        t.type("\x04")  # Ctrl-D at the prompt
+        t.expect(r"stdin closed \(end of input\); bye")
+    assert t.code == 0
+
+
+def test_terminal_ctrl_c_stops_the_answer_not_the_program(tmp_path):
+    import torch
+
+    from gf_testutil import tiny_model
+    from gptforge.model_io import save_model_dir
+
+    # a longer context: answers of 300 tokens take long enough to be interrupted mid-way
+    torch.manual_seed(0)
+    m, cfg = tiny_model("Model.vocab_size=50257", "Model.max_position_embeddings=1024")
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    save_model_dir(m, cfg, tmp_path / "m", gpt2_tokenizer())
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    with Terminal(_cli("--ckpt", tmp_path / "m", "--chat-template", tmp_path / "plain.jinja", "--max-new-tokens",
+                       300, "--verbose", *GREEDY)) as t:
+        t.expect(PROMPT)
+        t.type("Tell me a story\n")
+        begun = t.expect(r"Tell me a story\n\S")  # the answer has begun: it streams
+        t.type("\x03")  # Ctrl-C
+        stopped = t.expect(r"\ngptforge chat: answer stopped \(Ctrl-C\)")
+        # what was shown (the terminal echoes the keystroke as ^C somewhere in it)
+        partial = t.seen[begun.end() - 1: stopped.start()].replace("^C", "").rstrip()
+        t.expect(PROMPT)  # back at the prompt
+        t.type("Go on\n")
+        done = t.expect(r"Go on\n.*?\[prompt (\d+) tokens, answer 300 tokens.*?length\]")
+        t.expect(PROMPT)
+        t.type("\x03")  # Ctrl-C at the prompt leaves
+        t.expect(r"interrupted at the prompt; bye")
+    assert t.code == 0
+    s = session(load_model(tmp_path / "m")[0], ChatTemplate(PLAIN), 300)
+    full = s.reply("Tell me a story", lambda _: None).text
+    # what was shown is a strict beginning of the whole answer, and it stayed in the history
+    assert partial and full.startswith(partial) and len(partial) < len(full)
+    assert int(done[1]) == len(gpt2_tokenizer().encode(ChatTemplate(PLAIN).prompt([
+        {"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": partial},
+        {"role": "user", "content": "Go on"}])))
+
+
+def test_piped_stdin_answers_then_says_stdin_closed(ckpt, model):
+    import subprocess
+
+    r = subprocess.run(_cli("--ckpt", ckpt, "--max-new-tokens", 8, *GREEDY), input="Hello there\n", text=True,
+                       capture_output=True, env=_env(), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "gptforge chat: stdin closed (end of input); bye" in r.stderr and "Traceback" not in r.stderr
+    want = session(model, ChatTemplate(), 8).reply("Hello there", lambda _: None).text
+    assert r.stdout == want + "\n"  # no prompt, no labels: the answer alone
