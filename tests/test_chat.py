@@ -294,3 +294,12 @@ def test_piped_stdin_answers_then_says_stdin_closed(ckpt, model):
     assert "gptforge chat: stdin closed (end of input); bye" in r.stderr and "Traceback" not in r.stderr
     want = session(model, ChatTemplate(), 8).reply("Hello there", lambda _: None).text
     assert r.stdout == want + "\n"  # no prompt, no labels: the answer alone
+
+
+def test_verb_errors_are_one_line_before_loading(run_cli, ckpt, tmp_path):
+    code, _, err = run_cli("chat", "--ckpt", ckpt, "-o", "Generation.decode_strategy=beam_search")
+    assert code == 2 and "Generation.decode_strategy: chat streams one answer" in err
+    code, _, err = run_cli("chat", "--ckpt", ckpt, "--chat-template", tmp_path / "none.jinja")
+    assert code == 2 and "none.jinja: file not found" in err and "Traceback" not in err
+    code, _, err = run_cli("chat")
+    assert code == 2 and "--ckpt" in err

@@ -39,9 +39,7 @@ class ChatSession:
 
     def __init__(self, backend, tokenizer, template: ChatTemplate, generation: GenerationConfig,
                  system: str | None = None, draft=None):
-        if generation.decode_strategy == "beam_search" or generation.num_return_sequences != 1:
-            raise ConfigError("Generation.decode_strategy: chat streams one answer from greedy_search or "
-                              "sampling; beam search and num_return_sequences > 1 do not stream")
+        check_chat_generation(generation)
         if generation.max_dec_len >= backend.max_positions:
             raise ConfigError(f"Generation.max_dec_len: {generation.max_dec_len} new tokens leave no room for a "
                               f"prompt in the model's {backend.max_positions} positions; lower --max-new-tokens")
@@ -115,6 +113,16 @@ class ChatSession:
             return Reply(answer, n_prompt, len(self.tokenizer.encode(answer)), time.perf_counter() - t0,
                          "interrupted")
         return Reply(answer, n_prompt, s.result.new_tokens, s.result.seconds, s.result.finish_reasons[0][0])
+
+
+def check_chat_generation(generation: GenerationConfig) -> None:
+    """A chat streams one answer: greedy_search or sampling, one sequence (else a ConfigError)."""
+    if generation.decode_strategy == "beam_search":
+        raise ConfigError("Generation.decode_strategy: chat streams one answer from greedy_search or sampling; "
+                          "beam search only knows its best answer at the end")
+    if generation.num_return_sequences != 1:
+        raise ConfigError(f"Generation.num_return_sequences: chat streams one answer, got "
+                          f"{generation.num_return_sequences}; set it to 1")
 
 
 def chat_generation(generation: GenerationConfig, max_new_tokens: int) -> GenerationConfig:

@@ -47,7 +47,7 @@ def max_new_tokens(args: argparse.Namespace, generation, max_positions: int) -> 
 
 def run(args: argparse.Namespace) -> int:
     from gptforge.chat import ChatSession, run_repl
-    from gptforge.chat.session import chat_generation
+    from gptforge.chat.session import chat_generation, check_chat_generation
     from gptforge.data.chat_template import template_for
     from gptforge.generate import check_config
     from gptforge.generate.backend import as_backend
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     require_ckpt(args)
     cfg = config_from_args(args)
     check_config(cfg.Generation)
+    check_chat_generation(cfg.Generation)
     # A bad --chat-template fails before the model loads.
     template = template_for(None, args.chat_template) if args.chat_template else None
     device = select_device(cfg.Global.device)
