@@ -251,7 +251,7 @@ def test_terminal_ctrl_c_stops_the_answer_not_the_program(tmp_path):
     from gf_testutil import tiny_model
     from gptforge.model_io import save_model_dir
 
-    # a longer context: answers of 300 tokens take long enough to be interrupted mid-way
+    # a longer context: answers of 200 tokens take long enough to be interrupted mid-way
     torch.manual_seed(0)
     m, cfg = tiny_model("Model.vocab_size=50257", "Model.max_position_embeddings=1024")
     with torch.no_grad():
@@ -261,7 +261,7 @@ def test_terminal_ctrl_c_stops_the_answer_not_the_program(tmp_path):
     save_model_dir(m, cfg, tmp_path / "m", gpt2_tokenizer())
     (tmp_path / "plain.jinja").write_text(PLAIN)
     with Terminal(_cli("--ckpt", tmp_path / "m", "--chat-template", tmp_path / "plain.jinja", "--max-new-tokens",
-                       300, "--verbose", *GREEDY)) as t:
+                       200, "--verbose", *GREEDY)) as t:
         t.expect(PROMPT)
         t.type("Tell me a story\n")
         begun = t.expect(r"Tell me a story\n\S")  # the answer has begun: it streams
@@ -271,12 +271,12 @@ def test_terminal_ctrl_c_stops_the_answer_not_the_program(tmp_path):
         partial = t.seen[begun.end() - 1: stopped.start()].replace("^C", "").rstrip()
         t.expect(PROMPT)  # back at the prompt
         t.type("Go on\n")
-        done = t.expect(r"Go on\n.*?\[prompt (\d+) tokens, answer 300 tokens.*?length\]")
+        done = t.expect(r"Go on\n.*?\[prompt (\d+) tokens, answer 200 tokens.*?length\]")
         t.expect(PROMPT)
         t.type("\x03")  # Ctrl-C at the prompt leaves
         t.expect(r"interrupted at the prompt; bye")
     assert t.code == 0
-    s = session(load_model(tmp_path / "m")[0], ChatTemplate(PLAIN), 300)
+    s = session(load_model(tmp_path / "m")[0], ChatTemplate(PLAIN), 200)
     full = s.reply("Tell me a story", lambda _: None).text
     # what was shown is a strict beginning of the whole answer, and it stayed in the history
     assert partial and full.startswith(partial) and len(partial) < len(full)
