@@ -99,7 +99,7 @@ def test_greedy_completion_equals_generate_and_usage_is_exact(model, tok, client
 
 def test_chat_uses_the_plain_text_template(model, tok, client, server):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    prompt = server.state.chat.render(msgs)
+    prompt = server.state.chat.prompt(msgs)
     assert prompt == "Be brief.\n\nUser: Hi\nAssistant:"
     ref = solo(model, tok, prompt, 10).texts[0][0].split("\nUser:")[0]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)

@@ -173,7 +173,7 @@ def test_request_timeout_cancels_and_answers_504(model, tok):
 def test_an_unexpected_error_is_an_openai_500_counted_and_logged_once(model, tok, caplog):
     m, cfg = model
     with serving(m, tok, cfg.Generation) as s:
-        s.state.chat.render = lambda messages: 1 / 0  # a bug in a handler
+        s.state.chat.prompt = lambda messages: 1 / 0  # a bug in a handler
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         with caplog.at_level("ERROR", logger="gptforge.serve"):
             r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)

@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sft": ("gptforge.commands.sft", "instruction-tune on chat / instruction data (templates, packing)"),
     "dpo": ("gptforge.commands.dpo", "preference-tune with DPO on prompt/chosen/rejected pairs"),
     "generate": ("gptforge.commands.generate", "generate text (sampling, greedy, beam search)"),
+    "chat": ("gptforge.commands.chat", "chat with a model: multi-turn, streamed, through its chat template"),
     "eval": ("gptforge.commands.eval", "LAMBADA cloze accuracy, WikiText perplexity, lm-eval tasks"),
     "ptq": ("gptforge.commands.ptq", "post-training INT8 quantization (calibrate scales, no training)"),
     "qat": ("gptforge.commands.qat", "INT8 quantization-aware training"),

@@ -17,7 +17,11 @@ The default template (`DEFAULT_TEMPLATE`, for base models) writes
     Assistant:
 
 EOS closes every assistant turn, so a model trained on it learns to stop; "\\nUser:" stays a
-stop string for base models that were never tuned on it.
+stop string for base models that were never tuned on it. Another template's stop string is the
+text it closes an assistant turn with before EOS, if any (ChatML's `<|im_end|>`).
+
+`prompt(messages)` is what a model continues in `gptforge chat` and serve's
+/v1/chat/completions: both render through this class, with the model's saved template.
 
 Which tokens are learned: the assistant turns. With `{% generation %}` blocks in the template
 (transformers' `return_assistant_tokens_mask`), exactly the text inside them. Without, each
@@ -118,8 +122,21 @@ class ChatTemplate:
             self.template = _compile(self.source)
         except jinja2.TemplateError as e:
             raise ConfigError(f"{origin}: not a valid Jinja chat template ({e})") from None
-        self.stop = list(DEFAULT_STOP) if self.is_default else []
         self.has_generation_tags = bool(_GENERATION_TAG.search(self.source))
+        self.stop = list(DEFAULT_STOP) if self.is_default else self._turn_end()
+
+    def _turn_end(self) -> list[str]:
+        """The text the template closes an assistant turn with before EOS (ChatML's
+        `<|im_end|>`), as a stop string: a model tuned on the template writes it and then EOS,
+        and a tokenizer without it as a special token would show it as text."""
+        marker = "\u2063answer\u2063"  # invisible separators: text no template writes itself
+        try:
+            text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+        except Exception:  # noqa: BLE001 - a template that refuses this conversation names no end marker
+            return []
+        at = text.rfind(marker)
+        tail = text[at + len(marker):].split(self.special["eos_token"])[0].strip() if at >= 0 else ""
+        return [tail] if tail else []
 
     @classmethod
     def from_file(cls, path: str | Path, **special) -> ChatTemplate:
@@ -195,17 +212,37 @@ class ChatTemplate:
             mask.append(1)
         return Encoded(ids, mask)
 
+    def prompt(self, messages: list[dict]) -> str:
+        """The text of `messages` followed by the generation prompt: what a model continues
+        (`gptforge chat`, serve's /v1/chat/completions)."""
+        return self.render(messages, add_generation_prompt=True)
+
     def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         """Ids of `messages` followed by the generation prompt (what a model continues)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt=True))
+        return tokenizer.encode(self.prompt(messages))
 
 
-def template_for(tokenizer, spec: str | None = None) -> ChatTemplate:
-    """`spec` (a .jinja file or a tokenizer_config.json), else the tokenizer's own
-    `chat_template` (a model directory's), else the default."""
+def _saved_template(directory: str | Path) -> str | None:
+    """The `chat_template` string of a directory's tokenizer_config.json (what `sft` saves
+    with a model or an adapter), if it has one."""
+    try:
+        value = json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = value.get("chat_template") if isinstance(value, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def template_for(tokenizer, spec: str | None = None, adapter: str | Path | None = None) -> ChatTemplate:
+    """`spec` (a .jinja file or a tokenizer_config.json), else the template saved with the
+    `adapter` directory (an adapter tuned by `sft` saves the one it learned), else the
+    tokenizer's own `chat_template` (a model directory's), else the default."""
     special = {"eos_token": EOS}
     if spec:
         return ChatTemplate.from_file(spec, **special)
+    saved = _saved_template(adapter) if adapter else None
+    if saved:
+        return ChatTemplate(saved, origin=f"the chat template of the adapter {adapter}", **special)
     own = getattr(tokenizer, "chat_template", None)
     if own:
         return ChatTemplate(own, origin=f"the chat template of {tokenizer.name}", **special)

@@ -268,9 +268,11 @@ class TextStream:
     """Iterate to receive text deltas (complete characters only) of one continuation as it is
     generated; after the loop `result` holds the `GenerationResult`."""
 
-    def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors, draft=None):
+    def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors, draft=None,
+                 stop: Sequence[str] = ()):
         self._args = (model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors)
         self._draft = draft
+        self._stop = list(stop)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -280,27 +282,35 @@ class TextStream:
             core = offline_engine(be, eos_token_ids=eos, vocab_limit=limit, max_batch_size=1, processors=processors,
                                   tokenizer=tokenizer, draft_backend=dbe, num_draft_tokens=cfg.num_draft_tokens)
             events: list = []
-            seq = core.add(Request([ids[0]], from_generation(cfg), n=1, sink=events.append), bounded=False)[0]
+            params = dataclasses.replace(from_generation(cfg), stop=self._stop)
+            seq = core.add(Request([ids[0]], params, n=1, sink=events.append), bounded=False)[0]
+            pieces: list[str] = []
             while core.has_work:
                 with torch.inference_mode():
                     core.step()
                 for ev in events:
                     if ev.text:
+                        pieces.append(ev.text)
                         yield ev.text
                 events.clear()
         toks = list(seq.generated)
         ended = bool(toks) and toks[-1] in eos
         kept = toks[:-1] if ended else toks
+        # A stop string ends the text before it (the tokens that spelled it are still counted).
+        reason = "eos" if ended else "stop" if seq.finish_reason == "stop" else "length"
+        text = "".join(pieces) if reason == "stop" else tokenizer.decode(kept)
         self.result = GenerationResult(
-            [prompt], [[tokenizer.decode(kept)]], [[kept]], [[seq.logprob_sum / max(len(toks), 1)]],
-            [["eos" if ended else "length"]], time.perf_counter() - t0, len(toks), [len(ids[0])], core.stats)
+            [prompt], [[text]], [[kept]], [[seq.logprob_sum / max(len(toks), 1)]],
+            [[reason]], time.perf_counter() - t0, len(toks), [len(ids[0])], core.stats)
 
 
 def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None, device=None, *,
-           processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False, draft=None) -> TextStream:
+           processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False, draft=None,
+           stop: Sequence[str] = ()) -> TextStream:
     """Text deltas of one continuation as they are generated (greedy or sampling, one sequence).
     The config and prompt are checked now; generation runs while you iterate. `draft`: as in
-    `generate`."""
+    `generate`. `stop`: strings that end the text before them (a chat template's, e.g.
+    "\\nUser:"); its finish reason is then "stop". Closing the iterator early stops decoding."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompt, config, device, truncate_prompt)
     if len(texts) != 1:
         raise DataError(f"stream takes one prompt, got {len(texts)}; use generate() for a batch")
@@ -308,4 +318,5 @@ def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None
         raise ConfigError("Generation.decode_strategy: streaming needs one sequence from greedy_search or "
                           "sampling (beam search only knows its best sequence at the end); use generate()")
     draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
-    return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors, draft)
+    return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors, draft,
+                      stop)

@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from gptforge.data.chat_template import ChatTemplate
+from gptforge.errors import DataError
 from gptforge.generate.engine import EngineService, FinishEvent, SamplingParams, TokenEvent
 from gptforge.serve.bridge import Choice, RequestTimeout, Run, watch_disconnect
-from gptforge.serve.chat import ChatTemplate
 from gptforge.serve.gate import Gate
 from gptforge.serve.metrics import CONTENT_TYPE, ServeMetrics
 from gptforge.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -40,7 +41,7 @@ class ServeState:
     max_positions: int
     vocab_size: int
     metrics: ServeMetrics
-    chat: ChatTemplate
+    chat: ChatTemplate  # the model's own (data/chat_template.py), or --chat-template's
     api_key: str | None = None
     public_metrics: bool = False  # /metrics without the API key
     max_body_bytes: int = 8 << 20
@@ -319,8 +320,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     _check_chars(state, "".join(m["content"] for m in msgs), "messages")
     try:
-        text = await run_in_threadpool(state.chat.render, msgs)
-    except ValueError as e:
+        text = await run_in_threadpool(state.chat.prompt, msgs)
+    except DataError as e:  # the template refused these messages (its raise_exception)
         raise APIError(400, str(e), param="messages") from None
     _check_chars(state, text, "messages")
     ids = await run_in_threadpool(tok.encode, text)

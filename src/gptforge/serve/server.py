@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from gptforge.adapters.multi import router_of
+from gptforge.data.chat_template import template_for
 from gptforge.errors import ConfigError
 from gptforge.generate.backend import TorchBackend
 from gptforge.generate.engine import EngineCore, EngineService, SchedulerConfig
 from gptforge.generate.slots import slots_for
 from gptforge.serve.app import ServeState, create_app, prompt_char_limit
-from gptforge.serve.chat import ChatTemplate
 from gptforge.serve.metrics import ServeMetrics
 
 
@@ -34,7 +34,7 @@ class ServeOptions:
     max_queue: int = 256
     prefill_tokens: int = SchedulerConfig.prefill_tokens  # prompt tokens per step beside the decodes
     drain_timeout: float = 30.0
-    chat_template: str | None = None
+    chat_template: str | None = None  # a template file; None: the tokenizer's own (the model's), else the default
     public_metrics: bool = False  # /metrics open without the API key
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     request_timeout: float | None = None  # seconds a request may take from arrival (None: no limit)
@@ -91,7 +91,7 @@ def build_state(model_or_backend, tokenizer, generation, opts: ServeOptions, dra
     engine = EngineService(core).start()
     router = router_of(model_or_backend) if isinstance(model_or_backend, torch.nn.Module) else None
     return ServeState(engine, tokenizer, opts.model_name, backend.max_positions, backend.vocab_size, metrics,
-                      ChatTemplate(opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
+                      template_for(tokenizer, opts.chat_template), api_key=opts.api_key, public_metrics=opts.public_metrics,
                       max_body_bytes=opts.max_body_bytes, request_timeout=opts.request_timeout,
                       max_prompt_chars=prompt_char_limit(tokenizer, backend.max_positions),
                       sampling_defaults=dict(opts.sampling_defaults),
