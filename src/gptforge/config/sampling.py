@@ -61,3 +61,18 @@ def check_sampling(section, prefix: str = "Generation") -> None:
         msg = sampling_error(key, getattr(section, key))
         if msg:
             raise ConfigError(f"{prefix}.{key}: {msg}")
+
+
+# `Generation.kv_cache_dtype`: what the KV cache stores keys/values in (auto: the model's dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def check_kv_cache_dtype(section, prefix: str = "Generation") -> None:
+    """Normalize `section.kv_cache_dtype` (fp32 / bf16 spellings accepted) or raise `ConfigError`."""
+    value = getattr(section, "kv_cache_dtype", "auto")
+    name = _KV_ALIASES.get(str(value).strip().lower(), str(value).strip().lower())
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{prefix}.kv_cache_dtype: {value!r} is not one of {', '.join(KV_CACHE_DTYPES)}; "
+                          "give e.g. bfloat16 (half the KV bytes) or int8 (about a quarter)")
+    section.kv_cache_dtype = name
