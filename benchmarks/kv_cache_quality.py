@@ -1,0 +1,172 @@
+"""KV cache dtypes (`Generation.kv_cache_dtype`): held-out perplexity with float32, bfloat16 and
+int8 keys/values on the same text, one run (issue #32: bf16 within 0.1% of fp32; int8's drift
+measured), and optionally decode tokens/s per dtype.
+
+Quality. On the built-in corpus (`lowbit_quality.py`'s tokenizer, model shape and training
+recipe: a GPT of hidden 128, 4 layers, trained from scratch for `--steps` steps on the Train
+split), the Eval-split text no step trains on is cut into windows of `--seq` tokens. Every
+window is run through `TorchBackend.step_all` with a KV cache of the dtype under test, in
+chunks of `--chunk` tokens (32: generate's prefill chunks; 1: token by token, like decoding),
+so every query attends over keys/values that were written to the cache and read back (int8:
+quantized on write, dequantized on read). Perplexity is exp(mean NLL) over every token of every
+window but the first; the same tokens for every dtype.
+
+Speed (`--speed`). GPT-2 124M shape (random weights), a `--prompt`-token prompt prefilled, then
+`--new-tokens` greedy decode steps timed, batch 1 and 8, the dtypes interleaved round by round;
+median tokens/s and the ratio to float32; the load average is printed.
+
+    .venv/bin/python benchmarks/kv_cache_quality.py [--work runs/bench_kv] [--steps 1000] [--speed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from gptforge.generate.backend import TorchBackend  # noqa: E402
+from gptforge.generate.memory import kv_bytes_per_position  # noqa: E402
+from lowbit_quality import heldout_text, train  # noqa: E402  (benchmarks/ is on sys.path)
+from qat_quality import cpu_name, tokenizer  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def windows(tok, text: Path, seq: int) -> torch.Tensor:
+    ids = tok.encode(text.read_text(encoding="utf-8"))
+    n = len(ids) // seq
+    return torch.tensor(ids[: n * seq]).view(n, seq)
+
+
+@torch.inference_mode()
+def perplexity(model, wins: torch.Tensor, kv: str, chunk: int, batch: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) of `wins` [N, seq] through a `kv`-dtype KV cache."""
+    nll, count = 0.0, 0
+    seq = wins.shape[1]
+    with TorchBackend(model, kv_cache_dtype=kv) as be:
+        for i in range(0, len(wins), batch):
+            ids = wins[i:i + batch]
+            cache = be.new_cache(len(ids), seq)
+            logits = []
+            for s in range(0, seq, chunk):
+                e = min(seq, s + chunk)
+                pos = torch.arange(s, e)[None].expand(len(ids), -1)
+                logits.append(be.step_all(ids[:, s:e], pos, None, cache))
+            lp = torch.cat(logits, 1)[:, :-1].log_softmax(-1)
+            nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
+            count += ids[:, 1:].numel()
+    return math.exp(nll / count), count
+
+
+def quality(args) -> dict:
+    from gptforge.model_io import load_model
+
+    torch.manual_seed(0)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tok, tok_dir = tokenizer(work)
+    ckpt, cfg = train(work, tok, tok_dir, args)
+    text = heldout_text(work, tok, cfg)
+    model, _ = load_model(ckpt)
+    model.eval()
+    wins = windows(tok, text, args.seq)
+    rows = {}
+    for chunk in args.chunks:
+        for kv in DTYPES:
+            t0 = time.perf_counter()
+            ppl, n = perplexity(model, wins, kv, chunk, args.eval_batch)
+            rows[f"{kv} chunk {chunk}"] = {"kv": kv, "chunk": chunk, "ppl": ppl, "tokens": n,
+                                           "seconds": time.perf_counter() - t0}
+            base = rows[f"float32 chunk {chunk}"]["ppl"]
+            print(f"chunk {chunk:3d}  {kv:9s} ppl {ppl:.4f}  ({(ppl / base - 1) * 100:+.4f}% vs float32, "
+                  f"{n} tokens, {time.perf_counter() - t0:.0f}s)", flush=True)
+    heads = model.config.num_layers * model.config.num_attention_heads
+    return {"model": str(ckpt), "heldout_chars": len(text.read_text()), "windows": list(wins.shape),
+            "heads": heads, "head_dim": model.config.head_dim, "rows": rows}
+
+
+@torch.inference_mode()
+def decode_rate(be, cache_len: int, prompt: torch.Tensor, new: int) -> float:
+    """Tokens/s of `new` greedy decode steps after prefilling `prompt` [B, P]."""
+    B, P = prompt.shape
+    cache = be.new_cache(B, cache_len)
+    logits = be.step(prompt, torch.arange(P)[None].expand(B, -1), None, cache)
+    t0 = time.perf_counter()
+    for t in range(new):
+        nxt = logits.argmax(-1, keepdim=True)
+        logits = be.step(nxt, torch.full((B, 1), P + t), None, cache)
+    return B * new / (time.perf_counter() - t0)
+
+
+def speed(args) -> dict:
+    from gptforge.config import load_config
+    from gptforge.model import build_model
+
+    cfg = load_config(overrides=["Model.preset=124M", "Model.hidden_dropout_prob=0",
+                                 "Model.attention_probs_dropout_prob=0"])
+    torch.manual_seed(0)
+    model = build_model(cfg.Model).eval()
+    out = {}
+    for batch in (1, 8):
+        prompt = torch.randint(0, 50000, (batch, args.prompt))
+        rates: dict[str, list[float]] = {kv: [] for kv in DTYPES}
+        loads = []
+        for _ in range(args.rounds):
+            for kv in DTYPES:  # interleaved: each round runs every dtype once
+                with TorchBackend(model, kv_cache_dtype=kv) as be:
+                    rates[kv].append(decode_rate(be, args.prompt + args.new_tokens, prompt, args.new_tokens))
+            loads.append(os.getloadavg()[0])
+        med = {kv: statistics.median(r) for kv, r in rates.items()}
+        per_pos = {kv: kv_bytes_per_position(TorchBackend(model, kv_cache_dtype=kv)) for kv in DTYPES}
+        out[f"batch {batch}"] = {"tok_s": rates, "median": med, "load_avg_1min": loads, "kv_bytes_per_token": per_pos}
+        for kv in DTYPES:
+            print(f"batch {batch}  {kv:9s} {med[kv]:7.1f} tok/s  x{med[kv] / med['float32']:.3f} vs float32  "
+                  f"rounds {', '.join(f'{r:.1f}' for r in rates[kv])}  KV {per_pos[kv] / 1024:.1f} KiB/token",
+                  flush=True)
+        print(f"batch {batch}  load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}",
+              flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="runs/bench_kv")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=16, help="training batch")
+    ap.add_argument("--seq", type=int, default=128, help="training and evaluation window")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[32, 1], help="cache write chunks to evaluate")
+    ap.add_argument("--eval-batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--speed", action="store_true", help="also time decoding of the 124M shape per dtype")
+    ap.add_argument("--no-quality", action="store_true")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", help="write the results (JSON) here too")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"cpu: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()}", file=sys.stderr)
+    rec = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "argv": sys.argv[1:], "load_avg_start": os.getloadavg()}
+    if not args.no_quality:
+        rec["quality"] = quality(args)
+    if args.speed:
+        rec["speed"] = speed(args)
+    rec["load_avg_end"] = os.getloadavg()
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
