@@ -9,7 +9,9 @@ window is run through `TorchBackend.step_all` with a KV cache of the dtype under
 chunks of `--chunk` tokens (32: generate's prefill chunks; 1: token by token, like decoding),
 so every query attends over keys/values that were written to the cache and read back (int8:
 quantized on write, dequantized on read). Perplexity is exp(mean NLL) over every token of every
-window but the first; the same tokens for every dtype.
+window but the first; the same tokens for every dtype. The drift against float32 is also given
+per token: mean KL(float32 || dtype) of the next-token distributions, mean and largest change of
+a log-probability, and the share of positions whose most likely token changes.
 
 Speed (`--speed`). GPT-2 124M shape (random weights), a `--prompt`-token prompt prefilled, then
 `--new-tokens` greedy decode steps timed, batch 1 and 8, the dtypes interleaved round by round;
@@ -48,23 +50,48 @@ def windows(tok, text: Path, seq: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def perplexity(model, wins: torch.Tensor, kv: str, chunk: int, batch: int) -> tuple[float, int]:
-    """(perplexity, tokens scored) of `wins` [N, seq] through a `kv`-dtype KV cache."""
-    nll, count = 0.0, 0
-    seq = wins.shape[1]
-    with TorchBackend(model, kv_cache_dtype=kv) as be:
+def window_logprobs(be, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Log-probabilities [B, seq-1, V] of tokens 1.. of windows `ids` [B, seq], fed through a
+    fresh cache of `be`'s KV dtype `chunk` tokens at a time."""
+    seq = ids.shape[1]
+    cache = be.new_cache(len(ids), seq)
+    logits = []
+    for s in range(0, seq, chunk):
+        e = min(seq, s + chunk)
+        logits.append(be.step_all(ids[:, s:e], torch.arange(s, e)[None].expand(len(ids), -1), None, cache))
+    return torch.cat(logits, 1)[:, :-1].log_softmax(-1)
+
+
+@torch.inference_mode()
+def compare(model, wins: torch.Tensor, chunk: int, batch: int) -> dict:
+    """Per KV dtype: perplexity, and against float32 on the same tokens: mean KL(fp32 || dtype)
+    per token, mean |delta log p(token)|, the largest |delta log-prob| anywhere, the share of
+    tokens whose argmax changes."""
+    sums = {kv: dict(nll=0.0, kl=0.0, dlp=0.0, max=0.0, flips=0) for kv in DTYPES}
+    count = 0
+    backends = {kv: TorchBackend(model, kv_cache_dtype=kv).__enter__() for kv in DTYPES}
+    try:
         for i in range(0, len(wins), batch):
             ids = wins[i:i + batch]
-            cache = be.new_cache(len(ids), seq)
-            logits = []
-            for s in range(0, seq, chunk):
-                e = min(seq, s + chunk)
-                pos = torch.arange(s, e)[None].expand(len(ids), -1)
-                logits.append(be.step_all(ids[:, s:e], pos, None, cache))
-            lp = torch.cat(logits, 1)[:, :-1].log_softmax(-1)
-            nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
-            count += ids[:, 1:].numel()
-    return math.exp(nll / count), count
+            target = ids[:, 1:, None]
+            ref = window_logprobs(backends["float32"], ids, chunk)
+            ref_tok = ref.gather(-1, target)
+            count += target.numel()
+            for kv, be in backends.items():
+                lp = ref if kv == "float32" else window_logprobs(be, ids, chunk)
+                tok_lp = lp.gather(-1, target)
+                s = sums[kv]
+                s["nll"] -= float(tok_lp.sum())
+                s["kl"] += float((ref.exp() * (ref - lp)).sum())
+                s["dlp"] += float((tok_lp - ref_tok).abs().sum())
+                s["max"] = max(s["max"], float((lp - ref).abs().max()))
+                s["flips"] += int((lp.argmax(-1) != ref.argmax(-1)).sum())
+    finally:
+        for be in backends.values():
+            be.__exit__(None, None, None)
+    return {kv: {"ppl": math.exp(s["nll"] / count), "kl_per_token": s["kl"] / count,
+                 "mean_abs_dlogp": s["dlp"] / count, "max_abs_dlogp": s["max"], "argmax_changed": s["flips"] / count,
+                 "tokens": count} for kv, s in sums.items()}
 
 
 def quality(args) -> dict:
@@ -81,14 +108,16 @@ def quality(args) -> dict:
     wins = windows(tok, text, args.seq)
     rows = {}
     for chunk in args.chunks:
-        for kv in DTYPES:
-            t0 = time.perf_counter()
-            ppl, n = perplexity(model, wins, kv, chunk, args.eval_batch)
-            rows[f"{kv} chunk {chunk}"] = {"kv": kv, "chunk": chunk, "ppl": ppl, "tokens": n,
-                                           "seconds": time.perf_counter() - t0}
-            base = rows[f"float32 chunk {chunk}"]["ppl"]
-            print(f"chunk {chunk:3d}  {kv:9s} ppl {ppl:.4f}  ({(ppl / base - 1) * 100:+.4f}% vs float32, "
-                  f"{n} tokens, {time.perf_counter() - t0:.0f}s)", flush=True)
+        t0 = time.perf_counter()
+        res = compare(model, wins, chunk, args.eval_batch)
+        base = res["float32"]["ppl"]
+        for kv, r in res.items():
+            rows[f"{kv} chunk {chunk}"] = {"kv": kv, "chunk": chunk, **r}
+            print(f"chunk {chunk:3d}  {kv:9s} ppl {r['ppl']:.5f}  ({(r['ppl'] / base - 1) * 100:+.5f}% vs float32)  "
+                  f"KL {r['kl_per_token']:.3e}/token  mean|dlogp| {r['mean_abs_dlogp']:.3e}  "
+                  f"max|dlogp| {r['max_abs_dlogp']:.3e}  argmax changed {r['argmax_changed'] * 100:.3f}%  "
+                  f"({r['tokens']} tokens)", flush=True)
+        print(f"chunk {chunk:3d}  {time.perf_counter() - t0:.0f}s", flush=True)
     heads = model.config.num_layers * model.config.num_attention_heads
     return {"model": str(ckpt), "heldout_chars": len(text.read_text()), "windows": list(wins.shape),
             "heads": heads, "head_dim": model.config.head_dim, "rows": rows}

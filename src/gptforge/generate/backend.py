@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptforge.config.sampling import kv_cache_dtype_name
 from gptforge.errors import ConfigError
 from gptforge.model.kv_cache import KV_DTYPES
 
@@ -300,14 +301,10 @@ class _Recompute:
             self.mask = self.mask.index_select(0, index)
 
 
-def kv_storage_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+def kv_storage_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
     """The torch dtype a `Generation.kv_cache_dtype` stores keys/values in; None for auto."""
-    if kv_cache_dtype in (None, "auto"):
-        return None
-    if kv_cache_dtype not in KV_DTYPES:
-        raise ConfigError(f"Generation.kv_cache_dtype: {kv_cache_dtype!r} is not one of auto, "
-                          f"{', '.join(KV_DTYPES)}; give e.g. bfloat16")
-    return KV_DTYPES[kv_cache_dtype]
+    name = kv_cache_dtype_name("auto" if kv_cache_dtype is None else kv_cache_dtype)
+    return None if name == "auto" else KV_DTYPES[name]
 
 
 def check_kv_cache_dtype(backend, kv_cache_dtype: str) -> None:
