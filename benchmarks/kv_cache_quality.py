@@ -13,9 +13,11 @@ window but the first; the same tokens for every dtype. The drift against float32
 per token: mean KL(float32 || dtype) of the next-token distributions, mean and largest change of
 a log-probability, and the share of positions whose most likely token changes.
 
-Speed (`--speed`). GPT-2 124M shape (random weights), a `--prompt`-token prompt prefilled, then
-`--new-tokens` greedy decode steps timed, batch 1 and 8, the dtypes interleaved round by round;
-median tokens/s and the ratio to float32; the load average is printed.
+Speed (`--speed`). GPT-2 124M shape: first one decode step's attention alone (every layer's
+window read back from the cache, one query per row through SDPA) at context prompt + new
+tokens; then (unless `--no-decode`) the whole model (random weights), a `--prompt`-token prompt
+prefilled, `--new-tokens` greedy decode steps timed. Batch 1 and 8, the dtypes interleaved round
+by round; medians and the ratio to float32; the load average is printed.
 
     .venv/bin/python benchmarks/kv_cache_quality.py [--work runs/bench_kv] [--steps 1000] [--speed]
 """
@@ -136,6 +138,32 @@ def decode_rate(be, cache_len: int, prompt: torch.Tensor, new: int) -> float:
     return B * new / (time.perf_counter() - t0)
 
 
+@torch.inference_mode()
+def attention_ms(heads: int, layers: int, head_dim: int, batch: int, context: int, rounds: int) -> dict:
+    """Median ms of one decode step's attention (read every layer's window back from the cache in
+    float32, one query per row through SDPA), per KV dtype, interleaved round by round."""
+    from gptforge.model.kv_cache import KV_DTYPES, KVCache
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, heads, context, head_dim, generator=g)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g)
+    caches = {}
+    for kv in DTYPES:
+        c = KVCache([heads] * layers, batch, context, head_dim, dtype=KV_DTYPES[kv])
+        for layer in range(layers):
+            c.write(layer, 0, x, x)
+        caches[kv] = c
+    times: dict[str, list[float]] = {kv: [] for kv in DTYPES}
+    for _ in range(rounds):
+        for kv, c in caches.items():
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                k, v = c.read(layer, context, torch.float32)
+                torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            times[kv].append((time.perf_counter() - t0) * 1e3)
+    return {kv: statistics.median(t) for kv, t in times.items()}
+
+
 def speed(args) -> dict:
     from gptforge.config import load_config
     from gptforge.model import build_model
@@ -145,6 +173,16 @@ def speed(args) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg.Model).eval()
     out = {}
+    m = cfg.Model
+    for batch in (1, 8):
+        ctx = args.prompt + args.new_tokens
+        ms = attention_ms(m.num_attention_heads, m.num_layers, m.head_dim, batch, ctx, max(5, args.rounds))
+        out[f"attention batch {batch}"] = ms
+        print(f"attention of one decode step, batch {batch}, context {ctx}: "
+              + ", ".join(f"{kv} {t:.2f} ms (x{t / ms['float32']:.2f})" for kv, t in ms.items())
+              + f"  load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.no_decode:
+        return out
     for batch in (1, 8):
         prompt = torch.randint(0, 50000, (batch, args.prompt))
         rates: dict[str, list[float]] = {kv: [] for kv in DTYPES}
@@ -177,6 +215,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--speed", action="store_true", help="also time decoding of the 124M shape per dtype")
     ap.add_argument("--no-quality", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="--speed: only the attention timing")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)

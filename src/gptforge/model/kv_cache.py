@@ -38,7 +38,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`q · scale` in `dtype` (the product is formed in float32, then cast)."""
-    return (q.to(_SCALE_DTYPE) * scale).to(dtype)
+    # One new buffer, scaled in place: `q * scale` (mixed dtypes) measured ~6x slower on CPU, and
+    # `q.float() * scale` allocates a second window-sized buffer.
+    return q.to(_SCALE_DTYPE).mul_(scale).to(dtype)
 
 
 def kv_bytes_per_position(total_heads: int, head_dim: int, dtype: torch.dtype) -> int:
