@@ -253,3 +253,49 @@ def test_a_backend_without_kv_dtypes_refuses_all_but_float32():
     with pytest.raises(ConfigError, match=r"^Generation.kv_cache_dtype=int8: the _FloatOnly backend keeps its past "
                                           r"keys/values in float32; use float32"):
         as_backend(_FloatOnly(), kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beam_search_reorders_the_compressed_cache(model, dtype, monkeypatch):
+    """Beam search copies the surviving beams' caches (int8: with their scales). Reference: a
+    float32 cache that stores each written key/value already rounded the way `dtype` rounds it
+    (bfloat16 round trip; int8 quantize + dequantize): the same beams and scores, bit for bit."""
+    cfg = GenerationConfig(decode_strategy="beam_search", num_beams=3, max_dec_len=8, pad_token_id=0)
+    out = generate_ids(model, PROMPTS, _kv(cfg, dtype))
+    real = KVCache.write
+
+    def rounded(self, layer, start, k, v):
+        if self.dtype == torch.float32:
+            if dtype == "int8":
+                k, v = (dequantize_int8(*quantize_int8(x), x.dtype) for x in (k, v))
+            else:
+                k, v = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        real(self, layer, start, k, v)
+
+    monkeypatch.setattr(KVCache, "write", rounded)
+    ref = generate_ids(model, PROMPTS, _kv(cfg, "float32"))
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.scores, ref.scores)
+    monkeypatch.undo()
+    assert not torch.equal(generate_ids(model, PROMPTS, _kv(cfg, "float32")).scores, out.scores)
+
+
+def test_onnx_infer_refuses_a_compressed_cache_and_a_pruned_model_uses_it(fp32, run_cli):
+    """onnxruntime keeps float32 past arrays: `infer --kv-cache-dtype int8` is one line, exit 2;
+    the pruned PyTorch model (fewer heads in some layers) decodes with an int8 cache whose
+    memory estimate is its real allocation."""
+    pytest.importorskip("onnxruntime")
+    from gptforge.model_io import load_model
+
+    model_dir, onnx_dir = fp32
+    code, _, err = run_cli("infer", "--ckpt", onnx_dir, "--prompt", "hello", "--kv-cache-dtype", "int8")
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "Generation.kv_cache_dtype=int8: the OrtBackend backend keeps its past keys/values in float32" in err
+    pruned, _ = load_model(model_dir)
+    with TorchBackend(pruned, kv_cache_dtype="int8") as be:
+        heads = [k.shape[1] for k in be.new_cache(1, 1).k]
+        assert len(set(heads)) > 1  # really pruned per layer
+        cache = be.new_cache(3, 5)
+        tensors = cache.k + cache.v + cache.k_scale + cache.v_scale
+        assert sum(t.numel() * t.element_size() for t in tensors) == mem.kv_bytes_per_position(be) * 3 * 5
+    out = generate_ids(pruned, PROMPTS[:2], _kv(dataclasses.replace(GREEDY, max_dec_len=6, pad_token_id=0), "int8"))
+    assert out.tokens.shape[0] == 2
