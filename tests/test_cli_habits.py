@@ -79,7 +79,8 @@ def test_eval_window_defaults_to_the_model_context(model_dir, tmp_path, run_cli)
 
 FLAGS = {"--max-new-tokens": ("7", "Generation", "max_dec_len", 7), "--temperature": ("0.5", "Generation",
          "temperature", 0.5), "--top-k": ("3", "Generation", "top_k", 3), "--top-p": ("0.8", "Generation", "top_p",
-         0.8), "--seed": ("11", "Generation", "seed", 11), "--device": ("cpu", "Global", "device", "cpu")}
+         0.8), "--seed": ("11", "Generation", "seed", 11), "--device": ("cpu", "Global", "device", "cpu"),
+         "--kv-cache-dtype": ("int8", "Generation", "kv_cache_dtype", "int8")}
 
 
 def test_sampling_flags_are_overrides_that_config_show_shows(model_dir, run_cli):

@@ -41,7 +41,9 @@ def test_the_model_files_are_pure_pytorch():
     graph = grimp.build_graph("gptforge", cache_dir=None)
     shape = {"gptforge.config.schema"}  # the typed shape they are built from
     assert graph.find_modules_directly_imported_by("gptforge.model.moe") <= shape
-    assert graph.find_modules_directly_imported_by("gptforge.model.gpt") <= shape | {"gptforge.model.moe"}
+    assert graph.find_modules_directly_imported_by("gptforge.model.kv_cache") == set()
+    assert graph.find_modules_directly_imported_by("gptforge.model.gpt") <= shape | {"gptforge.model.moe",
+                                                                                      "gptforge.model.kv_cache"}
 
 
 def _probe_package(root: Path, name: str, lazy_import: str) -> Path:

@@ -51,6 +51,8 @@ SAMPLING_FLAGS = (
     ("--top-p", "Generation.top_p", float, "P", "nucleus sampling: the smallest set of tokens with probability >= P "
                                                "(1.0 = off)"),
     ("--seed", "Generation.seed", int, "N", "seed of the sampling RNG (default: torch's global RNG)"),
+    ("--kv-cache-dtype", "Generation.kv_cache_dtype", str, "DTYPE", "KV cache storage: auto (the model's dtype) | "
+                                                                   "float32 | bfloat16 | int8 (docs/generate.md)"),
     ("--device", "Global.device", str, "DEV", "auto | cpu | cuda | cuda:N"),
 )
 

@@ -9,7 +9,7 @@ import typing
 from typing import Any
 
 from gptforge.config.presets import GPT2_VOCAB_SIZE, PRESETS
-from gptforge.config.sampling import check_sampling
+from gptforge.config.sampling import check_kv_cache_dtype, check_sampling
 from gptforge.config.schema import Config, DatasetConfig, ModelConfig
 from gptforge.config.typed import suggest_key
 from gptforge.errors import ConfigError
@@ -360,6 +360,7 @@ def resolve(cfg: Config, world_size: int | None = None) -> Config:
 
     resolve_finetune_keys(cfg)
     check_sampling(cfg.Generation)
+    check_kv_cache_dtype(cfg.Generation)
     lr = cfg.Optimizer.lr
     if lr.decay_steps is None or lr.decay_steps <= 0:
         lr.decay_steps = None if e.max_steps < 0 else max(1, e.max_steps)

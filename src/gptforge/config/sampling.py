@@ -61,3 +61,23 @@ def check_sampling(section, prefix: str = "Generation") -> None:
         msg = sampling_error(key, getattr(section, key))
         if msg:
             raise ConfigError(f"{prefix}.{key}: {msg}")
+
+
+# `Generation.kv_cache_dtype`: what the KV cache stores keys/values in (auto: the model's dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def kv_cache_dtype_name(value, prefix: str = "Generation") -> str:
+    """The canonical `kv_cache_dtype` (fp32 / bf16 spellings accepted), or `ConfigError` naming the key."""
+    name = str(value).strip().lower()
+    name = _KV_ALIASES.get(name, name)
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{prefix}.kv_cache_dtype: {value!r} is not one of {', '.join(KV_CACHE_DTYPES)}; "
+                          "give e.g. bfloat16 (half the KV bytes) or int8 (about a quarter)")
+    return name
+
+
+def check_kv_cache_dtype(section, prefix: str = "Generation") -> None:
+    """Normalize `section.kv_cache_dtype` in place (or raise `ConfigError` naming the key)."""
+    section.kv_cache_dtype = kv_cache_dtype_name(getattr(section, "kv_cache_dtype", "auto"), prefix)

@@ -258,6 +258,7 @@ class GenerationConfig:
     use_cache: bool = True  # False: recompute the whole sequence every step (slow; a reference path)
     early_finish: bool = True  # stop when every sequence has emitted EOS
     fast_cpu_decode: bool = True  # CPU fp32: decode with oneDNN-packed weight copies (+1x weight memory)
+    kv_cache_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | float32 | bfloat16 (1/2 the bytes) | int8 (per-head, per-token scales: ~1/4)
     bos_token_id: int | None = None  # derived: tokenizer EOS
     eos_token_id: int | None = None
     pad_token_id: int | None = None

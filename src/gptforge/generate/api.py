@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptforge.config.sampling import check_sampling
+from gptforge.config.sampling import check_kv_cache_dtype, check_sampling
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError, DataError
 from gptforge.generate.backend import as_backend
@@ -63,6 +63,7 @@ def check_config(cfg: GenerationConfig) -> None:
         raise bad("temperature", f"must be > 0 with sampling, got {cfg.temperature}; "
                   "use decode_strategy=greedy_search for deterministic output")
     check_sampling(cfg)  # the ranges every sampling parameter must keep (config.sampling)
+    check_kv_cache_dtype(cfg)
     if cfg.num_return_sequences < 1:
         raise bad("num_return_sequences", f"must be >= 1, got {cfg.num_return_sequences}")
     if cfg.num_beams < 1:
@@ -159,11 +160,12 @@ def _backends(model, draft, cfg: GenerationConfig):
     """(target backend, draft backend or None), open for the duration."""
     if draft is not None:
         check_speculative(cfg)
-    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache) as be:
+    kv = cfg.kv_cache_dtype
+    with as_backend(model, prepack=cfg.fast_cpu_decode, use_cache=cfg.use_cache, kv_cache_dtype=kv) as be:
         if draft is None:
             yield be, None
             return
-        with as_backend(draft, prepack=cfg.fast_cpu_decode) as dbe:
+        with as_backend(draft, prepack=cfg.fast_cpu_decode, kv_cache_dtype=kv) as dbe:
             yield be, dbe
 
 

@@ -26,6 +26,9 @@ from torch import nn
 
 from gptforge.adapters.layers import LoraPair
 from gptforge.adapters.multi import router_of
+from gptforge.config.sampling import kv_cache_dtype_name
+from gptforge.errors import ConfigError
+from gptforge.model.kv_cache import KV_DTYPES
 
 
 @runtime_checkable
@@ -158,10 +161,14 @@ class TorchBackend:
     while the weights are unchanged (`release_packed(model)` frees them). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
     `use_cache=False` recomputes the whole sequence every step (a reference path).
+    `kv_cache_dtype` (`Generation.kv_cache_dtype`: auto | float32 | bfloat16 | int8) is the dtype
+    its caches and slots store keys/values in (`model/kv_cache.py`); auto: the model's own.
     """
 
-    def __init__(self, model: nn.Module, prepack: bool = True, use_cache: bool = True):
+    def __init__(self, model: nn.Module, prepack: bool = True, use_cache: bool = True,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype)  # None: the model's own
         w = model.wte.weight
         self.device = w.device
         self.vocab_size = int(w.shape[0])
@@ -229,7 +236,7 @@ class TorchBackend:
     def new_cache(self, batch_size: int, max_len: int) -> Any:
         if not self.use_cache:
             return _Recompute()
-        return self.model.new_cache(batch_size, max_len)
+        return self.model.new_cache(batch_size, max_len, dtype=self.kv_dtype)
 
     @torch.inference_mode()
     def step(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
@@ -268,7 +275,7 @@ class TorchBackend:
         from gptforge.generate.slots import SeqSlot, slot_layout
 
         if self._slot_layout is None:  # probed once per open backend (the model may change between uses)
-            self._slot_layout = slot_layout(self.model)
+            self._slot_layout = slot_layout(self.model, self.kv_dtype)
         return SeqSlot.for_model(self.model, capacity, self._slot_layout)
 
     @torch.inference_mode()
@@ -328,11 +335,29 @@ class _Recompute:
             self.mask = self.mask.index_select(0, index)
 
 
-def as_backend(model_or_backend, prepack: bool = True, use_cache: bool = True):
+def kv_storage_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The torch dtype a `Generation.kv_cache_dtype` stores keys/values in; None for auto."""
+    name = kv_cache_dtype_name("auto" if kv_cache_dtype is None else kv_cache_dtype)
+    return None if name == "auto" else KV_DTYPES[name]
+
+
+def check_kv_cache_dtype(backend, kv_cache_dtype: str) -> None:
+    """`ConfigError` when `backend` (not our model) cannot store its cache in `kv_cache_dtype`:
+    a StepBackend without `kv_dtype` keeps whatever it keeps (onnxruntime: float32 arrays)."""
+    if kv_storage_dtype(kv_cache_dtype) in (None, torch.float32) or hasattr(backend, "kv_dtype"):
+        return
+    raise ConfigError(f"Generation.kv_cache_dtype={kv_cache_dtype}: the {type(backend).__name__} backend keeps "
+                      "its past keys/values in float32; use float32 (or auto), or run the PyTorch model "
+                      "(gptforge generate --ckpt DIR)")
+
+
+def as_backend(model_or_backend, prepack: bool = True, use_cache: bool = True, kv_cache_dtype: str = "auto"):
     """A context manager yielding a `StepBackend`: our models are wrapped in `TorchBackend`;
-    anything else must already implement the interface (its lifetime is the caller's)."""
+    anything else must already implement the interface (its lifetime is the caller's) and
+    store its cache in float32 unless it says otherwise (`check_kv_cache_dtype`)."""
     if isinstance(model_or_backend, nn.Module):
-        return TorchBackend(model_or_backend, prepack=prepack, use_cache=use_cache)
+        return TorchBackend(model_or_backend, prepack=prepack, use_cache=use_cache, kv_cache_dtype=kv_cache_dtype)
     if not isinstance(model_or_backend, StepBackend):
         raise TypeError(f"expected a GPT model or a StepBackend, got {type(model_or_backend).__name__}")
+    check_kv_cache_dtype(model_or_backend, kv_cache_dtype)
     return contextlib.nullcontext(model_or_backend)

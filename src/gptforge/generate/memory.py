@@ -2,7 +2,8 @@
 `num_return_sequences` is one line naming the key instead of an OOM kill.
 
 Every decoded row (a beam, or a returned sequence) holds a KV cache of `2 · Σ heads · head_dim`
-values per position, and beam search copies the whole cache when it reorders beams (the old
+values per position (in `Generation.kv_cache_dtype`: 4, 2 or 1 byte each, int8 plus a float32
+scale per head), and beam search copies the whole cache when it reorders beams (the old
 and the new copy live together for a moment). Each step also holds a few `[rows, vocabulary]`
 float32 buffers (logits, log-softmax, candidate scores).
 """
@@ -17,6 +18,7 @@ import torch
 
 from gptforge.config.schema import GenerationConfig
 from gptforge.errors import ConfigError
+from gptforge.model import kv_cache
 
 # float32 [rows, vocabulary] buffers alive at once in a step (logits, log-softmax, processed
 # scores, candidates) and copies of the KV cache during a beam reorder.
@@ -24,17 +26,19 @@ _VOCAB_BUFFERS, _BEAM_CACHE_COPIES = 4, 2
 
 
 def kv_bytes_per_position(backend) -> int | None:
-    """Bytes of keys + values one row adds per position, or None when the backend does not say."""
+    """Bytes of keys + values one row adds per position (in the cache's storage dtype:
+    `Generation.kv_cache_dtype`), or None when the backend does not say."""
     model = getattr(backend, "model", None)
     if model is not None and hasattr(model, "blocks") and hasattr(model, "wte"):
         heads = sum(blk.attn.qkv_proj.out_features // (3 * blk.attn.head_dim) for blk in model.blocks)
-        head_dim = int(model.config.head_dim)
-        elem = model.wte.weight.element_size()
-    elif hasattr(backend, "heads") and hasattr(backend, "head_dim"):  # onnxruntime: float32 past keys/values
-        heads, head_dim, elem = sum(backend.heads), int(backend.head_dim), 4
-    else:
-        return None
-    return 2 * heads * head_dim * elem
+        dtype = getattr(backend, "kv_dtype", None)
+        if dtype is None:  # the model's own: its float dtype (an INT8 model's embedding is int8, its cache fp32)
+            w = model.wte.weight
+            dtype = w.dtype if w.is_floating_point() else model.wpe.weight.dtype
+        return kv_cache.kv_bytes_per_position(heads, int(model.config.head_dim), dtype)
+    if hasattr(backend, "heads") and hasattr(backend, "head_dim"):  # onnxruntime: float32 past keys/values
+        return kv_cache.kv_bytes_per_position(sum(backend.heads), int(backend.head_dim), torch.float32)
+    return None
 
 
 def decode_bytes(backend, cfg: GenerationConfig, batch_size: int, prompt_len: int) -> int | None:

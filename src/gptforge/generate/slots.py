@@ -23,16 +23,20 @@ from torch import nn
 
 from gptforge.generate.speculative import truncate_cache
 from gptforge.model.gpt import GPT
+from gptforge.model.kv_cache import KVCache
 
 
-class SeqSlot:
-    """Key/value buffers of one sequence; `length` positions are filled."""
+class SeqSlot(KVCache):
+    """Key/value buffers of one sequence (a batch-1 `KVCache`, in its storage dtype); `length`
+    positions are filled."""
 
     def __init__(self, layer_heads: list[int], capacity: int, head_dim: int, dtype, device):
-        self.k = [torch.empty(1, h, capacity, head_dim, dtype=dtype, device=device) for h in layer_heads]
-        self.v = [torch.empty_like(k) for k in self.k]
-        self.capacity = capacity
-        self.length = 0
+        # Uninitialized: attention only ever reads the positions this sequence wrote.
+        super().__init__(layer_heads, 1, capacity, head_dim, dtype, device, zero=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions (speculative rollback; later ones are overwritten)."""
@@ -45,10 +49,11 @@ class SeqSlot:
         return cls(heads, capacity, head_dim, dtype, device)
 
 
-def slot_layout(model: nn.Module) -> tuple:
-    """(heads per layer, head dim, dtype, device) of `model`'s KV cache. The model's own cache
-    factory knows them (an INT8 model keeps float activations; a pruned one has fewer heads)."""
-    probe = model.new_cache(1, 1)
+def slot_layout(model: nn.Module, kv_dtype=None) -> tuple:
+    """(heads per layer, head dim, storage dtype, device) of `model`'s KV cache stored in
+    `kv_dtype` (None: the model's own). The model's own cache factory knows them (an INT8 model
+    keeps float activations; a pruned one has fewer heads)."""
+    probe = model.new_cache(1, 1, dtype=kv_dtype)
     return [k.shape[1] for k in probe.k], probe.k[0].shape[-1], probe.k[0].dtype, probe.k[0].device
 
 
@@ -100,9 +105,8 @@ class RaggedBatch:
         for s in self.segments:
             n, start, slot = len(s.token_ids), s.start, s.slot
             end = start + n
-            slot.k[layer][:, :, start:end] = k[:, :, o:o + n]
-            slot.v[layer][:, :, start:end] = v[:, :, o:o + n]
-            keys, values = slot.k[layer][:, :, :end], slot.v[layer][:, :, :end]
+            slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
+            keys, values = slot.read(layer, end, q.dtype)
             # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
             mask, causal = GPT.attention_mask(n, start, None, q.device)
             outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))

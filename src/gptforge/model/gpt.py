@@ -25,40 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptforge.config.schema import ModelConfig
+from gptforge.model.kv_cache import KVCache
 from gptforge.model.moe import MoEFFN, init_moe_, layer_experts
-
-
-class KVCache:
-    """Preallocated key/value buffers, one pair per layer, shaped [B, heads, max_len, head_dim].
-
-    A forward pass writes its new keys/values at `length` and advances `length` once at the
-    end, so decoding never concatenates tensors.
-    """
-
-    def __init__(self, layer_heads: list[int], batch_size: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.k = [torch.zeros(batch_size, h, max_len, head_dim, dtype=dtype, device=device) for h in layer_heads]
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.max_len = max_len
-        self.length = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.k[0].shape[0]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new [B, h, T, d] keys/values for `layer`; return all keys/values so far."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search keeps the cache of the surviving beams)."""
-        self.k = [k.index_select(0, index) for k in self.k]
-        self.v = [v.index_select(0, index) for v in self.v]
 
 
 @dataclass
@@ -187,7 +155,8 @@ class GPT(nn.Module):
         nn.init.zeros_(self.norm.bias)
 
     def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
-        """A KV cache for `batch_size` sequences of up to `max_len` positions."""
+        """A KV cache for `batch_size` sequences of up to `max_len` positions, stored in `dtype`
+        (default: the model's; torch.bfloat16 or torch.int8 compress it, see `model/kv_cache.py`)."""
         heads = [blk.attn.qkv_proj.out_features // (3 * blk.attn.head_dim) for blk in self.blocks]
         w = self.wte.weight
         return KVCache(heads, batch_size, max_len, self.config.head_dim,

@@ -16,7 +16,7 @@ import torch
 from gptforge.adapters.multi import router_of
 from gptforge.data.chat_template import template_for
 from gptforge.errors import ConfigError
-from gptforge.generate.backend import TorchBackend
+from gptforge.generate.backend import TorchBackend, check_kv_cache_dtype
 from gptforge.generate.engine import EngineCore, EngineService, SchedulerConfig
 from gptforge.generate.slots import slots_for
 from gptforge.serve.app import ServeState, create_app, prompt_char_limit
@@ -45,9 +45,11 @@ class ServeOptions:
 
 def _open(model_or_backend, generation, closers: list):
     if isinstance(model_or_backend, torch.nn.Module):
-        backend = TorchBackend(model_or_backend, prepack=generation.fast_cpu_decode).__enter__()
+        backend = TorchBackend(model_or_backend, prepack=generation.fast_cpu_decode,
+                               kv_cache_dtype=generation.kv_cache_dtype).__enter__()
         closers.append(backend.__exit__)
         return backend
+    check_kv_cache_dtype(model_or_backend, generation.kv_cache_dtype)
     return model_or_backend
 
 
