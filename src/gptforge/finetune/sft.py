@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from gptforge.config.schema import Config
@@ -132,7 +133,11 @@ def apply_method(cfg: Config, base: Base, echo: bool) -> None:
         return
     from gptforge.adapters import apply_lora, describe
 
-    apply_lora(base.model, cfg.Instruct.lora, key="Instruct.lora")
+    # The adapters' initial A comes from Global.seed alone (not from whatever the process drew
+    # before), so a run started afresh and the run it resumes begin from the same adapters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.Global.seed)
+        apply_lora(base.model, cfg.Instruct.lora, key="Instruct.lora")
     if echo:
         print(f"gptforge {cfg.Instruct.method}: {describe(base.model)}", flush=True)
 
