@@ -95,3 +95,13 @@ def test_only_a_plain_frozen_tied_head_takes_the_chunked_loss():
     for p in q.parameters():
         p.requires_grad_(False)
     assert frozen_head(q) is None  # a fake-quant head projects with its quantized weight
+
+
+def test_a_batch_without_learned_tokens_has_zero_loss_and_gradient():
+    _, m, _ = _lora()
+    labels = IDS[:, 1:]
+    mask = torch.zeros(labels.shape)
+    want = m(IDS[:, :-1], labels=labels, loss_mask=mask).loss
+    got = frozen_head_loss(m.hidden_states(IDS[:, :-1]), frozen_head(m), labels, mask)
+    assert float(want.detach()) == float(got.detach()) == 0.0
+    assert all(float(g.abs().sum()) == 0.0 for g in _grads(m, got).values())

@@ -7,7 +7,9 @@ of GPT-2's vocabulary), next to the logits it was computed from. When the head w
 states, (softmax − onehot)·weight·W: linear in the incoming scalar gradient, so it is formed
 in the forward, a chunk of rows at a time, and only it [N, h] is kept. The same matmuls
 run (the head's forward and its input gradient), in another order; the peak drops by the
-two [N, V] tensors.
+two [N, V] tensors. Rows that carry no loss (prompt tokens, padding: weight 0) have neither
+a loss term nor a gradient, so their logits are not computed at all: in instruction tuning,
+where most tokens are prompt, that skips most of the head's two matmuls.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ def frozen_head(model: nn.Module) -> torch.Tensor | None:
 class _FrozenHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head, labels, weight):
-        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], CHUNK_ROWS):
-            rows = slice(s, s + CHUNK_ROWS)
-            loss, p = softmax_ce(F.linear(hidden[rows], head), labels[rows], weight[rows], grad is not None)
+        live = (weight != 0).nonzero().squeeze(1)  # prompt and padding tokens: no loss, no gradient
+        for s in range(0, live.numel(), CHUNK_ROWS):
+            rows = live[s:s + CHUNK_ROWS]
+            w = weight[rows]
+            loss, p = softmax_ce(F.linear(hidden[rows], head), labels[rows], w, grad is not None)
             total += loss
             if p is not None:
-                grad[rows] = F.linear(p.mul_(weight[rows].unsqueeze(1)).to(head.dtype), head.t()).to(hidden.dtype)
+                grad[rows] = F.linear(p.mul_(w.unsqueeze(1)).to(head.dtype), head.t()).to(hidden.dtype)
         ctx.save_for_backward(grad)
         return total
 
