@@ -37,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-RUNS = ("lora", "peft", "full", "lora-int8", "packed", "padded")
+RUNS = ("lora", "peft", "full", "lora-int8", "packed", "padded", "peft-padded")
 PEFT_TARGETS = ["c_attn", "c_proj", "c_fc"]  # c_proj: both attn.c_proj and mlp.c_proj
 LR, WD, CLIP = 1e-4, 0.01, 1.0
 
@@ -176,7 +176,7 @@ def instruction_batches(packed: bool, args) -> list[dict]:
             for i in range(n)]
 
 
-def theirs(root: Path, args):
+def theirs(root: Path, args, padded: bool = False):
     """(step(batch) -> tokens, batches) for peft over transformers: the loop a peft user writes."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -188,17 +188,32 @@ def theirs(root: Path, args):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
-    batches = [t[:, :-1].contiguous() for t in torch.load(root / "batches.pt")]
+    if padded:
+        batches = [hf_batch(b) for b in instruction_batches(False, args)]
+    else:
+        batches = [{"input_ids": t[:, :-1], "labels": t[:, :-1]} for t in torch.load(root / "batches.pt")]
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
+    def step(b):
+        loss = model(**b).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return ids.numel()
+        return int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
 
     return step, batches
+
+
+def hf_batch(b: dict) -> dict:
+    """Our padded instruction rows as a peft user's collator gives them to transformers: input
+    ids, attention_mask 0 on padding, labels -100 where no loss (transformers shifts them; the
+    last position's target, beyond the row, is the one learned token it cannot see)."""
+    import torch
+
+    learned = (b["loss_mask"] > 0) & (b["labels"] != -100)
+    labels = torch.full_like(b["tokens"], -100)
+    labels[:, 1:] = torch.where(learned[:, :-1], b["labels"][:, :-1], -100)
+    return {"input_ids": b["tokens"], "attention_mask": (b["segments"] > 0).long(), "labels": labels}
 
 
 def child(root: Path, run: str, args) -> dict:
@@ -207,7 +222,7 @@ def child(root: Path, run: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    step, batches = theirs(root, args) if run == "peft" else ours(root, run, args)
+    step, batches = theirs(root, args, run == "peft-padded") if run.startswith("peft") else ours(root, run, args)
     load_kb = vm_kb("VmHWM")
     resettable = reset_peak()
     times, cpu, tokens = [], [], []
@@ -291,6 +306,11 @@ def report(results: dict[str, list[dict]], args, loads: list[float]) -> dict:
             summary["ratio"][key] = r
             print(f"ours / peft: {what} {statistics.median(r):.2f}x per round (spread {min(r):.2f}-{max(r):.2f})")
         print(f"ours / peft: peak RSS whole process {rss:.2f}x, training phase {train_rss:.2f}x")
+    if "padded" in results and "peft-padded" in results:
+        r = ratios(results["padded"], results["peft-padded"], "tokens_per_s")
+        print(f"ours / peft on padded instruction rows (loss on answers only): real tokens/s "
+              f"{statistics.median(r):.2f}x (spread {min(r):.2f}-{max(r):.2f})")
+        summary["ratio_padded"] = r
     if "packed" in results and "padded" in results:
         g = ratios(results["packed"], results["padded"], "tokens_per_s")
         print(f"packing gain (LoRA, real tokens/s): {statistics.median(g):.2f}x (spread {min(g):.2f}-{max(g):.2f})")
