@@ -105,3 +105,12 @@ def test_a_batch_without_learned_tokens_has_zero_loss_and_gradient():
     got = frozen_head_loss(m.hidden_states(IDS[:, :-1]), frozen_head(m), labels, mask)
     assert float(want.detach()) == float(got.detach()) == 0.0
     assert all(float(g.abs().sum()) == 0.0 for g in _grads(m, got).values())
+
+
+def test_a_hooked_or_wrapped_model_keeps_its_forward():
+    _, m, _ = _lora()
+    handle = m.register_forward_pre_hook(lambda mod, args: None)  # e.g. FSDP's parameter gathers
+    assert frozen_head(m) is None
+    handle.remove()
+    assert frozen_head(m) is not None
+    assert frozen_head(torch.nn.Sequential(m)) is None

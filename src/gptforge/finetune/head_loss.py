@@ -25,8 +25,12 @@ CHUNK_ROWS = 256
 
 def frozen_head(model: nn.Module) -> torch.Tensor | None:
     """The tied head weight of a plain GPT whose logits are `hidden @ wteᵀ` and whose `wte`
-    takes no gradient; None for anything else (a head adapter, a quantized head, full tuning)."""
-    if not isinstance(model, GPT) or "logits" in vars(model) or type(model.wte) is not nn.Embedding:
+    takes no gradient; None for anything else (a head adapter, a quantized head, full tuning,
+    a model wrapped or hooked for parallel training: the loss calls `hidden_states`, not the
+    model's forward, so forward hooks such as FSDP's gathers would not run)."""
+    if type(model) is not GPT or model._forward_hooks or model._forward_pre_hooks:
+        return None
+    if "logits" in vars(model) or type(model.wte) is not nn.Embedding:
         return None
     return None if model.wte.weight.requires_grad else model.wte.weight
 
