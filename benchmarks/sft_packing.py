@@ -42,6 +42,17 @@ def step(model, opt, rows, i: int, batch: int, packed: bool) -> tuple[float, int
     return time.perf_counter() - t0, int((b["segments"] > 0).sum())
 
 
+def instruction_rows(seq: int, n: int = 4000) -> dict:
+    """{packed: rows} of `n` synthetic instruction examples (default template, GPT-2 BPE) in
+    rows of `seq` tokens, packed (True) and one example per row (False); also used by
+    finetune_lora.py's packing runs."""
+    tok = gpt2_tokenizer()
+    template = ChatTemplate()
+    train, _ = make_instances(n, 0)
+    ex = [template.encode(tok, messages(p, a)) for p, a, _ in train]
+    return {True: build_rows(ex, seq, True), False: build_rows(ex, seq, False)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -50,11 +61,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tok = gpt2_tokenizer()
-    template = ChatTemplate()
-    train, _ = make_instances(4000, 0)
-    ex = [template.encode(tok, messages(p, a)) for p, a, _ in train]
-    rows = {True: build_rows(ex, args.seq, True), False: build_rows(ex, args.seq, False)}
+    rows = instruction_rows(args.seq)
     need = args.rounds * args.batch
     if min(len(r) for r in rows.values()) < need:
         raise SystemExit(f"not enough rows for {args.rounds} rounds of {args.batch}")
@@ -72,7 +79,7 @@ def main() -> None:
         for packed in (True, False):
             times[packed].append(step(*models[packed], rows[packed], i, args.batch, packed))
     print(f"load average {os.getloadavg()[0]:.1f} / {os.cpu_count()} cores, {args.threads} threads, batch "
-          f"{args.batch} x {args.seq}, {len(ex)} examples: packed {len(rows[True])} rows "
+          f"{args.batch} x {args.seq}, {rows[True].examples} examples: packed {len(rows[True])} rows "
           f"({rows[True].fill:.0%} real tokens), padded {len(rows[False])} rows ({rows[False].fill:.0%})")
     tps = {}
     for packed, name in ((True, "packed"), (False, "padded")):

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from gptforge.config.schema import Config
@@ -24,6 +25,7 @@ from gptforge.data.chat_template import ChatTemplate, template_for
 from gptforge.data.instructions import Record, read_records, split_records
 from gptforge.data.packing import Rows, build_rows, encode_plain, packed_attention_mask
 from gptforge.errors import CheckpointError, ConfigError, DataError
+from gptforge.finetune.head_loss import frozen_head, frozen_head_loss
 from gptforge.train.trainer import Trainer, TrainResult
 
 METHODS = ("full", "lora")
@@ -132,7 +134,11 @@ def apply_method(cfg: Config, base: Base, echo: bool) -> None:
         return
     from gptforge.adapters import apply_lora, describe
 
-    apply_lora(base.model, cfg.Instruct.lora, key="Instruct.lora")
+    # The adapters' initial A comes from Global.seed alone (not from whatever the process drew
+    # before), so a run started afresh and the run it resumes begin from the same adapters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.Global.seed)
+        apply_lora(base.model, cfg.Instruct.lora, key="Instruct.lora")
     if echo:
         print(f"gptforge {cfg.Instruct.method}: {describe(base.model)}", flush=True)
 
@@ -152,11 +158,25 @@ class SFTTrainer(Trainer):
     """The pretraining loop with packed rows: each example attends only to itself."""
 
     def _forward_loss(self, batch: dict, model: nn.Module):
+        mask = rows_attention_mask(batch["segments"])
+        head = frozen_head(model)
         with self.precision.autocast():
-            out = model(batch["tokens"], position_ids=batch["position_ids"],
-                        attention_mask=packed_attention_mask(batch["segments"]),
-                        labels=batch["labels"], loss_mask=batch["loss_mask"])
-        return out.loss
+            if head is not None:  # LoRA without a head adapter: no [N, V] tensors kept for backward
+                hidden = model.hidden_states(batch["tokens"], batch["position_ids"], mask)
+                return frozen_head_loss(hidden, head, batch["labels"], batch["loss_mask"])
+            return model(batch["tokens"], position_ids=batch["position_ids"], attention_mask=mask,
+                         labels=batch["labels"], loss_mask=batch["loss_mask"]).loss
+
+
+def rows_attention_mask(segments: torch.Tensor) -> torch.Tensor | None:
+    """The block-diagonal mask of packed rows; None (plain causal attention) when no row holds
+    more than one example. Padding only ever follows a row's example, so causal attention
+    already keeps the example from seeing it, and the causal kernel saves no [T, T] mask or
+    probabilities: with packing off (or a batch of one-example rows) the step is faster and
+    leaner for the same loss (only padding positions, which carry no loss, see other tokens)."""
+    if int(segments.max()) <= 1:
+        return None
+    return packed_attention_mask(segments)
 
 
 @dataclass

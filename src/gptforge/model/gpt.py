@@ -219,12 +219,37 @@ class GPT(nn.Module):
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Token cross-entropy in fp32, Σ(ce·mask)/Σmask (spec §1.8); label -100 is ignored."""
+    labels, weight = token_weights(labels, loss_mask)
+    return _TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels, weight)
+
+
+def token_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels [N], weight [N]): each counted token's share 1/Σmask of the mean loss, 0 elsewhere."""
     labels = labels.reshape(-1)
     mask = (labels != -100).float()
     if loss_mask is not None:
         mask = mask * loss_mask.reshape(-1).float()
-    weight = mask / mask.sum().clamp_min(1.0)
-    return _TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels, weight)
+    return labels, mask / mask.sum().clamp_min(1.0)
+
+
+def softmax_ce(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+               with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Σ_i weight_i·ce_i, softmax − onehot [N, V] fp32 or None) of [N, V] logits: one softmax
+    pass, shared by `lm_loss` and the chunked frozen-head loss (finetune/head_loss.py)."""
+    target = labels.clamp(min=0).unsqueeze(1)
+    p = torch.softmax(logits.float(), dim=-1)
+    p_y = p.gather(1, target).squeeze(1)
+    ce = -torch.log(p_y)
+    tiny = p_y < 1e-30  # the softmax underflowed: compute those rows exactly
+    if tiny.any():
+        rows = tiny.nonzero().squeeze(1)
+        x = logits[rows].float()
+        ce[rows] = torch.logsumexp(x, dim=-1) - x.gather(1, target[rows]).squeeze(1)
+    loss = torch.where(weight != 0, ce * weight, 0.0).sum()
+    if not with_grad:
+        return loss, None
+    p.scatter_add_(1, target, torch.full_like(p_y, -1.0).unsqueeze(1))
+    return loss, p
 
 
 class _TokenCrossEntropy(torch.autograd.Function):
@@ -238,20 +263,11 @@ class _TokenCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, weight):
-        target = labels.clamp(min=0).unsqueeze(1)
-        p = torch.softmax(logits.float(), dim=-1)
-        p_y = p.gather(1, target).squeeze(1)
-        ce = -torch.log(p_y)
-        tiny = p_y < 1e-30  # the softmax underflowed: compute those rows exactly
-        if tiny.any():
-            rows = tiny.nonzero().squeeze(1)
-            x = logits[rows].float()
-            ce[rows] = torch.logsumexp(x, dim=-1) - x.gather(1, target[rows]).squeeze(1)
-        if ctx.needs_input_grad[0]:
-            p.scatter_add_(1, target, torch.full_like(p_y, -1.0).unsqueeze(1))
+        loss, p = softmax_ce(logits, labels, weight, ctx.needs_input_grad[0])
+        if p is not None:
             ctx.save_for_backward(p, weight)
             ctx.logits_dtype = logits.dtype
-        return torch.where(weight != 0, ce * weight, 0.0).sum()
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
