@@ -152,6 +152,8 @@ def _budget(args):
         raise UsageError("--avg-bits / --max-bytes give each layer 4 or 8 bits: use them with --weights int4")
     if args.head_bits is not None:
         raise UsageError("--head-bits: the mixed-precision plan chooses the head's bits (4 or 8); leave it out")
+    if args.avg_bits is not None and not args.avg_bits >= 4:  # before any measuring
+        raise UsageError(f"--avg-bits {args.avg_bits:g}: below 4, every layer's smallest width; give 4 <= B <= 8")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise UsageError(f"--max-bytes {args.max_bytes}: give a positive byte count")
     return Budget(avg_bits=args.avg_bits, max_bytes=args.max_bytes, sensitivity=args.sensitivity)
