@@ -155,6 +155,7 @@ def test_max_bytes_measured_on_the_fly_fits(float_dir, run_cli, tmp_path):
     (("--weights", "int4", "--group-size", "32", "--avg-bits", "3"), "below 4"),
     (("--weights", "int4", "--group-size", "32", "--max-bytes", "1000", "--sensitivity", "S"),
      "below the smallest model this plan can make"),
+    (("--weights", "int4", "--group-size", "32", "--max-bytes", "1000"), "(every layer at 4 bits)"),  # before measuring
     (("--weights", "int4", "--group-size", "64", "--avg-bits", "5", "--sensitivity", "S"), "group_size 32"),
     (("--weights", "int4", "--group-size", "32", "--avg-bits", "5", "--sensitivity", "MISSING"), "unreadable"),
 ])

@@ -138,11 +138,16 @@ def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **c
     from gptforge.compress import bit_plan
     from gptforge.compress.sensitivity_run import checkpoint_digest
     from gptforge.compress.sensitivity_weights import calibration_batches, weight_sensitivity
+    from gptforge.transforms.weight_only import planned_layers
 
     if spec.bits != 4:
         from gptforge.errors import UsageError
 
         raise UsageError("--avg-bits / --max-bytes plan 4- or 8-bit layers: give --weights int4")
+    # an impossible budget fails now, not after minutes of measuring (the bytes need no increases)
+    zero = {n: (0.0, 0.0) for n, _ in planned_layers(model)}
+    dry = bit_plan.layer_rows(model, spec, zero)
+    bit_plan.make_plan(dry, bit_plan.fixed_bytes(model, dry), avg_bits=budget.avg_bits, max_bytes=budget.max_bytes)
     if budget.sensitivity is not None:
         increases, state = bit_plan.read_sensitivity(budget.sensitivity, checkpoint_digest(path), spec)
         budget.metric = state.get("metric", budget.metric)
