@@ -133,6 +133,8 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
                                 "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=3",
                                 "--no-stream")
     assert code == 0 and stdout.startswith("the quick"), err
+    code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table shows both widths
+    assert code == 0 and "int4 sym group 32" in stdout and "int8 sym group 32" in stdout, err
 
 
 def test_max_bytes_measured_on_the_fly_fits(float_dir, run_cli, tmp_path):
