@@ -88,6 +88,17 @@ def test_the_metric_is_zero_on_the_float_model_and_loss_works(float_dir):
     assert build_metric(model, b, "kl")(model) == pytest.approx(0.0, abs=1e-7)
 
 
+def test_analyze_loss_metric_with_gptq_from_the_cli(float_dir, run_cli, tmp_path):
+    src, text = float_dir
+    code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--metric", "loss", "--method", "gptq",
+                             "--calib", text, *CALIB, "--out", tmp_path / "a", "--no-progress", "--show", "3")
+    assert code == 0, err
+    assert "(gptq), mean token loss" in out and "... 6 more" in out
+    state = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert state["metric"] == "loss" and state["fingerprint"]["weights"]["method"] == "gptq"
+    assert all(math.isfinite(r["sensitivity"]) for r in state["layers"].values())
+
+
 def _rounded(w, bits):
     q, s, z = lowbit.quantize_rtn(w, bits, 32, True)
     return lowbit.dequantize(q, s, z, 32)
