@@ -153,7 +153,7 @@ def _refuse_weight_flags(args: argparse.Namespace) -> None:
 def _weights(args: argparse.Namespace) -> int:
     """`analyze --weights int4`: the weight-only sensitivity of a float model."""
     from gptforge.commands.common import config_from_args
-    from gptforge.compress.sensitivity_weights import run_weight_analysis
+    from gptforge.compress.sensitivity_weights_run import run_weight_analysis
     from gptforge.errors import UsageError
     from gptforge.run_lock import lock_dir
     from gptforge.transforms.weight_only import WeightOnlySpec

@@ -18,8 +18,6 @@ GPTQ from its inputs in the float model (the other layers float, as the measurem
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -110,7 +108,7 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
         values = []
         for bits in (4, 8) if eight_bits else (4,):
             wq = rounded_weight(w, bits, spec, hs.get(name), damp, act_order)
-            with sens._weight_replaced(_as_module(weight_of(name)), wq):
+            with sens._weight_replaced(_WeightHolder(weight_of(name)), wq):
                 values.append(m(model))
         return values[0], (values[1] if eight_bits else None)
 
@@ -118,62 +116,8 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
                            fingerprint=fingerprint, resume=resume, progress=progress, reference=reference)
 
 
-class _as_module:
+class _WeightHolder:
     """`_weight_replaced` takes a module with `.weight`; the tied embedding's parameter is shared."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-
-
-# --------------------------------------------------------------------------- the command
-
-
-@dataclass
-class WeightAnalysis:
-    analysis: sens.Analysis
-    rows: list[dict]  # per layer: name, reference_name, params, bytes {4, 8}, increase {4, 8}
-    files: dict[str, Path]
-    calibration: str
-
-
-def spec_fingerprint(spec: WeightOnlySpec, method: str, damp: float, act_order: bool) -> dict:
-    """What a sensitivity file's increases depend on besides the model and the text."""
-    return {"group_size": spec.group_size, "sym": spec.sym, "method": method,
-            "damp": damp if method == "gptq" else None, "act_order": act_order if method == "gptq" else None}
-
-
-def run_weight_analysis(ckpt: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
-                        calib: str | os.PathLike | None = None, samples: int = 32, seq_len: int = 256,
-                        metric: str = "kl", method: str = "rtn", damp: float = 0.01, act_order: bool = False,
-                        resume: bool = True, progress: bool = True, model=None, tokenizer=None) -> WeightAnalysis:
-    """Analyse the float model at `ckpt` and write `out_dir`/analysis.json + analysis.txt."""
-    from gptforge.compress import bit_plan
-    from gptforge.compress.sensitivity_run import checkpoint_digest
-    from gptforge.compress.weight_only_run import calibration_ids, load_float_model
-    from gptforge.evaluate.common import write_json_atomic, write_text_atomic
-
-    if model is None:
-        model, cfg, tokenizer, _ = load_float_model(ckpt, cfg)
-    seq = min(seq_len, cfg.Model.max_position_embeddings) + 1  # +1: next-token pairs of seq_len positions
-    batches = calibration_batches(calibration_ids(tokenizer, calib, samples, seq))
-    calibration = f"{samples} x {seq - 1} tokens of {calib or 'the built-in corpus'}"
-    fp = {"float_ckpt": checkpoint_digest(ckpt), "calibration": calibration,
-          "calib_digest": sens_digest(batches), "weights": spec_fingerprint(spec, method, damp, act_order)}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = out / "analysis.json"
-    with torch.no_grad():
-        a = weight_sensitivity(model, spec, batches, metric=metric, method=method, damp=damp, act_order=act_order,
-                               state_path=state, fingerprint=fp, resume=resume, progress=progress)
-    rows = bit_plan.sensitivity_rows(model, spec, a)
-    full = sens.full_fingerprint(fp, MODE, a.metric, a.order)
-    write_json_atomic(state, a.to_json(full) | {"weights": {"spec": spec_fingerprint(spec, method, damp, act_order),
-                                                            "rows": rows}})
-    txt = write_text_atomic(out / "analysis.txt", "\n".join(bit_plan.sensitivity_table(rows, a)) + "\n")
-    return WeightAnalysis(a, rows, {"json": state, "txt": txt}, calibration)
-
-
-def sens_digest(batches: list[dict]) -> str:
-    from gptforge.compress.sensitivity_run import _batches_digest
-
-    return _batches_digest(batches)
