@@ -5,6 +5,7 @@
     gptforge analyze --ckpt output_qat --float-ckpt runs/float/step_1000 --metric loss --batches 16
     gptforge analyze --ckpt output_qat --metric cosine          # no eval set: the output-distance proxy
     gptforge analyze --mode ptq --ckpt runs/float/step_1000 --metric kl
+    gptforge analyze --ckpt runs/float --weights int4 --group-size 64 --method gptq   # weight-only, per layer
 
 `--ckpt` is the model analysed: in qat mode the fake-quant model (= --qat-ckpt); in ptq mode a
 float model is quantized and calibrated here (= --float-ckpt), a PTQ/QAT model is used as it is
@@ -14,6 +15,11 @@ Writes <out>/analysis.txt (the reference's lines, most sensitive first), analysi
 layer names, values; also the resumable progress), analysis.png (the ranking) and, with
 --top-k N, skip_tensor_map.yaml plus the `-o` override and `gptforge qat` command that re-run
 QAT with those layers float. An interrupted run resumes where it stopped.
+
+`--weights int4` analyses a float model for weight-only quantization instead: each block Linear's
+and the head's increase in KL to the float model (or loss) with only it rounded to 4 and to 8
+bits, on calibration text; `quantize --avg-bits / --max-bytes --sensitivity <out>/analysis.json`
+plans each layer's bits from it (compress/sensitivity_weights.py, compress/bit_plan.py).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--float-ckpt", metavar="DIR", help=(
         "the float baseline (the model QAT started from): qat mode copies its weight into each de-quantized layer "
         "and measures its metric; ptq mode quantizes and calibrates it"))
-    p.add_argument("--mode", choices=("qat", "ptq"), default="qat", help=(
+    p.add_argument("--mode", choices=("qat", "ptq"), default=None, help=(
         "qat (default): leave one layer's quantization out at a time; ptq: quantize only one layer at a time"))
     p.add_argument("--metric", default="auto", choices=("auto", "acc", "ppl", "loss", "cosine", "kl"), help=(
         "acc: LAMBADA accuracy x100; ppl: WikiText perplexity (both on Offline_Eval.eval_path); loss: mean token "
@@ -57,6 +63,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write analysis.png")
     p.add_argument("--show", type=int, default=20, metavar="N", help="rows of the ranking printed (default 20; 0 = all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w = p.add_argument_group("weight-only sensitivity of a float model (docs/analyze.md, docs/quantize.md)")
+    w.add_argument("--weights", choices=("int4",), help=(
+        "for each block Linear and the tied embedding / head, the increase in --metric (kl, default, or loss) with "
+        "only that layer's weights rounded to 4 bits and to 8 bits, everything else float; writes analysis.txt "
+        "and analysis.json for `quantize --avg-bits/--max-bytes --sensitivity`"))
+    w.add_argument("--group-size", type=int, choices=(0, 32, 64, 128, 256), default=64,
+                   help="input columns sharing one scale, as quantize will use (default 64)")
+    w.add_argument("--method", choices=("rtn", "gptq"), default="rtn", help="how each layer is rounded (default rtn)")
+    w.add_argument("--asym", action="store_true", help="asymmetric groups, as quantize --asym")
+    w.add_argument("--calib", metavar="FILE", help="calibration text (UTF-8); default: the built-in corpus")
+    w.add_argument("--samples", type=int, default=32, help="calibration windows (default 32)")
+    w.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (default 0.01)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     from gptforge.errors import UsageError
     from gptforge.model_io import load_run_config
 
+    if args.weights:
+        return _weights(args)
+    _refuse_weight_flags(args)
+    args.mode = args.mode or "qat"
     _place_ckpt(args)
     if not args.qat_ckpt and not args.float_ckpt:
         raise UsageError("give the model to analyse with --ckpt DIR (a QAT/PTQ model; --mode ptq: a float model)")
@@ -115,3 +138,57 @@ def _place_ckpt(args: argparse.Namespace) -> None:
     if getattr(args, key):
         raise UsageError(f"--ckpt and --{key.replace('_', '-')} both name the model to analyse; give one")
     setattr(args, key, args.ckpt)
+
+
+def _refuse_weight_flags(args: argparse.Namespace) -> None:
+    from gptforge.errors import UsageError
+
+    given = [f for f, v in (("--group-size", args.group_size != 64), ("--method", args.method != "rtn"),
+                            ("--asym", args.asym), ("--calib", args.calib), ("--samples", args.samples != 32),
+                            ("--seq-len", args.seq_len != 256), ("--damp", args.damp != 0.01)) if v]
+    if given:
+        raise UsageError(f"{given[0]} applies with --weights int4 (weight-only sensitivity)")
+
+
+def _weights(args: argparse.Namespace) -> int:
+    """`analyze --weights int4`: the weight-only sensitivity of a float model."""
+    from gptforge.commands.common import config_from_args
+    from gptforge.compress.sensitivity_weights_run import run_weight_analysis
+    from gptforge.errors import UsageError
+    from gptforge.run_lock import lock_dir
+    from gptforge.transforms.weight_only import WeightOnlySpec
+
+    bad = [f for f, v in (("--mode", args.mode), ("--qat-ckpt", args.qat_ckpt), ("--float-ckpt", args.float_ckpt),
+                          ("--eval-path", args.eval_path), ("--layers", args.layers), ("--top-k", args.top_k),
+                          ("--batches", args.batches)) if v]
+    if bad:
+        raise UsageError(f"{bad[0]} does not apply with --weights int4 (give the float model with --ckpt, the text "
+                         "with --calib / --samples / --seq-len)")
+    if not args.ckpt:
+        raise UsageError("give the float model to analyse with --ckpt DIR")
+    metric = "kl" if args.metric == "auto" else args.metric
+    if metric not in ("kl", "loss"):
+        raise UsageError(f"--metric {metric}: --weights int4 measures kl (default) or loss")
+    if args.samples < 1 or args.seq_len < 2:
+        raise UsageError(f"--samples {args.samples} / --seq-len {args.seq_len}: give at least 1 window of 2 tokens")
+    if not 0 < args.damp < 1:
+        raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
+    cfg = config_from_args(args)
+    spec = WeightOnlySpec(bits=4, group_size=args.group_size, sym=not args.asym, method=args.method)
+    with lock_dir(args.out, "analyze"):
+        r = run_weight_analysis(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
+                                seq_len=args.seq_len, metric=metric, method=args.method, damp=args.damp,
+                                resume=not args.no_resume, progress=not args.no_progress)
+    a = r.analysis
+    print(f"gptforge analyze: weight-only int4 {'g' + str(args.group_size) if args.group_size else 'per row'} "
+          f"({args.method}), {a.metric_label}; calibration {r.calibration}"
+          + (f" ({a.resumed} layers resumed)" if a.resumed else ""))
+    lines = (r.files["txt"]).read_text(encoding="utf-8").splitlines()[2:]
+    show = args.show or len(lines)
+    print("\n".join(lines[:show + 1]))
+    if len(lines) > show + 1:
+        print(f"      ... {len(lines) - show - 1} more in {r.files['txt']}")
+    print("wrote " + ", ".join(str(p) for p in r.files.values()))
+    print(f"plan from it: gptforge quantize --ckpt {args.ckpt} --weights int4 --group-size {args.group_size} "
+          f"--avg-bits 4.5 --sensitivity {r.files['json']} --out DIR")
+    return 0

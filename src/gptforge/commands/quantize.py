@@ -38,9 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rtn: round to nearest (default); gptq: GPTQ error feedback, awq: activation-aware input "
                         "scales, both from calibration text")
     w.add_argument("--asym", action="store_true", help="asymmetric groups (an integer zero point per group)")
-    w.add_argument("--head-bits", type=int, choices=(4, 8, 16, 32), default=8,
+    w.add_argument("--head-bits", type=int, choices=(4, 8, 16, 32), default=None,
                    help="the tied embedding / LM head: 4 or 8 bits (same groups and method), 16 = bf16, "
-                        "32 = float as trained (default 8)")
+                        "32 = float as trained (default 8; a mixed-precision plan chooses it)")
+    w.add_argument("--avg-bits", type=float, metavar="B", help="mixed precision (with --weights int4): each block "
+                   "Linear and the head at 4 or 8 bits, least summed sensitivity with at most B bits per weight "
+                   "on average (scales excluded); writes quant_plan.json / quant_plan.md beside the model")
+    w.add_argument("--max-bytes", type=int, metavar="N", help="mixed precision as --avg-bits, within N bytes of "
+                   "model tensors (scales, biases and the rest included)")
+    w.add_argument("--sensitivity", metavar="FILE", help="the analysis.json of `gptforge analyze --weights int4` "
+                   "on this model (default: measure it now on the calibration text, KL to the float model)")
     w.add_argument("--calib", metavar="FILE", help="GPTQ/AWQ calibration text (UTF-8); default: the built-in corpus")
     w.add_argument("--samples", type=int, default=32, help="GPTQ/AWQ calibration windows (default 32)")
     w.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256, at most "
@@ -104,8 +111,9 @@ def _show(args, cfg) -> int:
 
 def _refuse_weight_flags(args) -> None:
     given = [f for f, v in (("--group-size", args.group_size is not None), ("--method", args.method != "rtn"),
-                            ("--asym", args.asym), ("--head-bits", args.head_bits != 8), ("--calib", args.calib),
-                            ("--act-order", args.act_order)) if v]
+                            ("--asym", args.asym), ("--head-bits", args.head_bits is not None), ("--calib", args.calib),
+                            ("--act-order", args.act_order), ("--avg-bits", args.avg_bits is not None),
+                            ("--max-bytes", args.max_bytes is not None), ("--sensitivity", args.sensitivity)) if v]
     if given:
         raise UsageError(f"{given[0]} applies with --weights int8|int4|bf16")
 
@@ -126,8 +134,29 @@ def _weight_spec(args):
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
     bits = {"int8": 8, "int4": 4, "bf16": 16}[args.weights]
     group = args.group_size if args.group_size is not None else (64 if bits == 4 else 0)
-    return WeightOnlySpec(bits=bits, group_size=group, sym=not args.asym, head_bits=args.head_bits,
-                          method=args.method)
+    return WeightOnlySpec(bits=bits, group_size=group, sym=not args.asym,
+                          head_bits=8 if args.head_bits is None else args.head_bits, method=args.method)
+
+
+def _budget(args):
+    """The mixed-precision budget of --avg-bits / --max-bytes (None without one)."""
+    from gptforge.compress.weight_only_run import Budget
+
+    if args.avg_bits is None and args.max_bytes is None:
+        if args.sensitivity:
+            raise UsageError("--sensitivity applies with --avg-bits B or --max-bytes N")
+        return None
+    if args.avg_bits is not None and args.max_bytes is not None:
+        raise UsageError("--avg-bits and --max-bytes are two budgets; give one")
+    if args.weights != "int4":
+        raise UsageError("--avg-bits / --max-bytes give each layer 4 or 8 bits: use them with --weights int4")
+    if args.head_bits is not None:
+        raise UsageError("--head-bits: the mixed-precision plan chooses the head's bits (4 or 8); leave it out")
+    if args.avg_bits is not None and not args.avg_bits >= 4:  # before any measuring
+        raise UsageError(f"--avg-bits {args.avg_bits:g}: below 4, every layer's smallest width; give 4 <= B <= 8")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise UsageError(f"--max-bytes {args.max_bytes}: give a positive byte count")
+    return Budget(avg_bits=args.avg_bits, max_bytes=args.max_bytes, sensitivity=args.sensitivity)
 
 
 def _weights(args, cfg) -> int:
@@ -136,15 +165,24 @@ def _weights(args, cfg) -> int:
     from gptforge.run_lock import lock_output
 
     spec = _weight_spec(args)
+    budget = _budget(args)
     if not args.out:
         raise UsageError("give the output directory with --out DIR")
     with lock_output(args.out, "quantize"):
         ensure_out_dir(args.out, args.force)
         r = quantize_weights(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
-                             seq_len=args.seq_len, damp=args.damp, act_order=args.act_order, overwrite=True)
+                             seq_len=args.seq_len, damp=args.damp, act_order=args.act_order, overwrite=True,
+                             budget=budget)
     fmt = args.weights + ("" if spec.bits == 16 else f" {'asym' if args.asym else 'sym'} "
                           f"{'g' + str(spec.group_size) if spec.group_size else 'per row'}")
-    print(f"gptforge quantize: weights {fmt} ({spec.method}), head {spec.head_bits} bits: "
+    if r.plan is not None:
+        p = r.plan
+        n8 = sum(b == 8 for b in p.layer_bits.values())
+        head = f"mixed 4/8 bits ({p.budget}: {n8} of {len(p.rows)} layers at 8 bits, {p.avg_bits:.3f} bits per " \
+               f"weight, head {p.layer_bits['wte']} bits; plan in quant_plan.md)"
+    else:
+        head = f"head {spec.head_bits} bits"
+    print(f"gptforge quantize: weights {fmt} ({spec.method}), {head}: "
           f"{r.quantized_bytes / 2**20:.2f} MiB (float {r.float_bytes / 2**20:.2f} MiB)"
           f"{'; calibration ' + r.calibration if spec.method != 'rtn' else ''} -> {r.out_dir}")
     return 0

@@ -69,7 +69,7 @@ def awq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tensor
 
     def quantize(name: str, X: torch.Tensor) -> None:
         lin = model.get_submodule(name)
-        s, _, _ = awq_scale(lin.weight.detach().float(), X, spec.bits, spec.group_size, spec.sym, grid)
+        s, _, _ = awq_scale(lin.weight.detach().float(), X, spec.bits_for(name), spec.group_size, spec.sym, grid)
         quantize_layer(model, name, spec, act_scale=s)
 
     return calibrated_walk(model, spec, batches, _Inputs, quantize, desc="awq", head=False, progress=progress)

@@ -103,7 +103,7 @@ def gptq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tenso
 
     def quantize(name: str, H: torch.Tensor) -> None:
         w = model.get_submodule(name).weight.detach().float()
-        bits = spec.head_bits if name == "wte" else spec.bits
+        bits = spec.bits_for(name)
         quantize_layer(model, name, spec, gptq_quantize(w, H, bits, spec.group_size, spec.sym, damp=damp,
                                                         act_order=act_order))
 

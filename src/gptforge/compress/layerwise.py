@@ -77,7 +77,7 @@ def calibrated_walk(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.
                 quantize(n, values[n])
         xs = [blk(x, *extra) for x in xs]  # the quantized block's outputs feed the next block
         pbar.update(1)
-    if head and spec.head_bits in (4, 8):
+    if head and spec.bits_for("wte") in (4, 8):
         st = stat(model.wte.embedding_dim)
         for x in xs:
             st(None, (model.norm(x),))

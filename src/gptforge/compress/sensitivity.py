@@ -41,7 +41,7 @@ from torch import nn
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.transforms.quant import QuantEmbedding, QuantLinear, _match, quant_modules, reference_name
 
-MODES = ("qat", "ptq")
+MODES = ("qat", "ptq")  # `weights` (sensitivity_weights.py) shares the loop and the state file
 METRICS = ("acc", "ppl", "loss", "cosine", "kl")
 STATE_FORMAT = "gptforge-analysis/1"
 _PROJECT_ROWS = 1024  # logit rows formed at once by the distance metrics (bounds the [rows, V] buffers)
@@ -77,7 +77,7 @@ def sensitivity_value(mode: str, metric: Metric, value: float, base: float) -> f
     mode, float model in `ptq` mode); larger = more sensitive."""
     if mode == "qat":
         return metric.goodness(value) - metric.goodness(base)
-    return metric.goodness(base) - metric.goodness(value)
+    return metric.goodness(base) - metric.goodness(value)  # ptq and weights: the harm of quantizing it
 
 
 def lambada_metric(tokenizer, path, *, batch_size: int = 8, seq_len: int | None = None,
@@ -152,7 +152,8 @@ def reference_outputs(model: nn.Module, batches: list[dict]) -> ReferenceOutputs
     model.eval()
     with torch.no_grad():
         states = [model.hidden_states(b["tokens"].to(dev), _pos(b, dev)) for b in batches]
-    return ReferenceOutputs(states, model.wte.weight.detach())
+    # a copy: the weight-only analysis rounds the tied embedding in place while this stays the reference
+    return ReferenceOutputs(states, model.wte.weight.detach().clone())
 
 
 def _pos(b: dict, dev):
@@ -199,6 +200,8 @@ class LayerResult:
     value: float  # the metric of the model with this layer changed
     sensitivity: float
     seconds: float
+    value8: float | None = None  # weight-only mode: the metric with this layer at 8 bits
+    sensitivity8: float | None = None
 
     @property
     def weight_name(self) -> str:
@@ -249,6 +252,8 @@ DIRECTION = {
            "-ppl, -loss or -distance to the float model; larger = more sensitive",
     "ptq": "sensitivity = goodness(float model) - goodness(only this layer quantized); goodness = acc x100, "
            "-ppl, -loss or -distance to the float model; larger = more sensitive",
+    "weights": "sensitivity = increase of the metric (KL to the float model or loss) with only this layer's weights "
+               "rounded to 4 bits (sensitivity8: to 8 bits), everything else float; larger = more sensitive",
 }
 
 
@@ -369,8 +374,8 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
     reports. `state_path`: the JSON progress file; with `resume`, a state of the same inputs
     (`fingerprint` + mode, metric and layers) skips what it already holds.
     """
-    if mode not in MODES:
-        raise UsageError(f"--mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode not in ("qat", "ptq"):
+        raise UsageError(f"--mode {mode!r}: expected qat or ptq")
     if float_weights is not None and mode != "qat":
         raise UsageError("float weights replace de-quantized layers in qat mode only")
     names = analysis_layers(model, layers)
@@ -380,6 +385,34 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
             w = float_weights.get(n)
             if w is None or tuple(w.shape) != tuple(mods[n].weight.shape):
                 raise CheckpointError(f"float baseline: no weight of shape {tuple(mods[n].weight.shape)} for {n}")
+
+    def base() -> float:
+        # qat: the QAT model as trained; ptq: the float model (every layer's quantization off).
+        with switched(mods.values(), on=(mode == "qat")):
+            return metric(model)
+
+    def evaluate(name: str) -> tuple[float, None]:
+        if mode == "qat":
+            w = float_weights.get(name) if float_weights is not None else None
+            with switched([mods[name]], on=False), _weight_replaced(mods[name], w):
+                return metric(model), None
+        with switched(mods.values(), on=False), switched([mods[name]], on=True):
+            return metric(model), None
+
+    # ptq: the float model is the starting point, the quantized embedding included.
+    emb = [model.wte] if mode == "ptq" and isinstance(getattr(model, "wte", None), QuantEmbedding) else []
+    with switched(emb, on=False):
+        return run_layers(model, metric, mode, names, base, evaluate, float_value=float_value,
+                          state_path=state_path, fingerprint=fingerprint, resume=resume, progress=progress)
+
+
+def run_layers(model: nn.Module, metric: Metric, mode: str, names: list[str], base: Callable[[], float],
+               evaluate: Callable[[str], tuple[float, float | None]], *, float_value: float | None = None,
+               state_path: str | Path | None = None, fingerprint: dict | None = None, resume: bool = True,
+               progress: bool = False, reference=reference_name) -> Analysis:
+    """The loop every mode shares: `base()` is the starting metric, `evaluate(name)` the metric
+    with layer `name` changed (and, weight-only mode, at 8 bits too, else None), the model
+    restored afterwards; progress is saved after each layer and resumed (see `analyze`)."""
     fingerprint = full_fingerprint(fingerprint, mode, metric.name, names)
     path = Path(state_path) if state_path is not None else None
     state = read_state(path, fingerprint) if path is not None and resume else None
@@ -392,51 +425,37 @@ def analyze(model: nn.Module, metric: Metric, *, mode: str = "qat",
                          for n, r in state["layers"].items() if n in names}
         result.resumed = len(result.layers)
         result.seconds = float(state.get("seconds", 0.0))
-    # ptq: the float model is the starting point, the quantized embedding included.
-    emb = [model.wte] if mode == "ptq" and isinstance(getattr(model, "wte", None), QuantEmbedding) else []
-    with switched(emb, on=False):
-        if math.isnan(result.base_value):
-            # qat: the QAT model as trained; ptq: the float model (every layer's quantization off).
-            t0 = time.perf_counter()
-            with switched(mods.values(), on=(mode == "qat")):
-                result.base_value = metric(model)
-            result.seconds += time.perf_counter() - t0
-            _write_state(path, result, fingerprint)
-        _run_layers(model, metric, mode, mods, [n for n in names if n not in result.layers], float_weights,
-                    result, path, fingerprint, progress)
-    result.complete = True
-    _write_state(path, result, fingerprint)
-    return result
-
-
-def _run_layers(model, metric, mode, mods, todo, float_weights, result, path, fingerprint, progress) -> None:
+    if math.isnan(result.base_value):
+        t0 = time.perf_counter()
+        result.base_value = base()
+        result.seconds += time.perf_counter() - t0
+        _write_state(path, result, fingerprint)
+    todo = [n for n in names if n not in result.layers]
     bar = None
     if progress and todo:
         from gptforge.progress import bar as progress_bar
 
-        n = len(result.order)
-        bar = progress_bar(total=n, initial=n - len(todo), desc=f"analyze ({mode}, {metric.name})", unit="layer")
+        bar = progress_bar(total=len(names), initial=len(names) - len(todo), desc=f"analyze ({mode}, {metric.name})",
+                           unit="layer")
     try:
         for name in todo:
             t0 = time.perf_counter()
-            if mode == "qat":
-                w = float_weights.get(name) if float_weights is not None else None
-                with switched([mods[name]], on=False), _weight_replaced(mods[name], w):
-                    value = metric(model)
-            else:
-                with switched(mods.values(), on=False), switched([mods[name]], on=True):
-                    value = metric(model)
+            value, value8 = evaluate(name)
             dt = time.perf_counter() - t0
             sens = sensitivity_value(mode, metric, value, result.base_value)
-            result.layers[name] = LayerResult(name, reference_name(name), value, sens, dt)
+            sens8 = None if value8 is None else sensitivity_value(mode, metric, value8, result.base_value)
+            result.layers[name] = LayerResult(name, reference(name), value, sens, dt, value8, sens8)
             result.seconds += dt
             _write_state(path, result, fingerprint)
             if bar is not None:
-                bar.set_postfix_str(f"{reference_name(name)} {sens:+.4g}", refresh=False)
+                bar.set_postfix_str(f"{reference(name)} {sens:+.4g}", refresh=False)
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    result.complete = True
+    _write_state(path, result, fingerprint)
+    return result
 
 
 def embedding_note(model: nn.Module) -> str | None:

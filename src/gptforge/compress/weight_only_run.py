@@ -9,6 +9,7 @@ the modules: `generate`, `eval` and the rest load it unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ class WeightOnlyResult:
     float_bytes: int
     quantized_bytes: int
     calibration: str
+    plan: object = None  # bit_plan.Plan of a mixed-precision run
 
 
 def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int) -> list[torch.Tensor]:
@@ -57,14 +59,12 @@ def _bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
-                     calib: str | os.PathLike | None = None, samples: int = 32, seq_len: int = 256,
-                     damp: float = 0.01, act_order: bool = False, overwrite: bool = False,
-                     progress: bool = True) -> WeightOnlyResult:
-    """Quantize the float model at `src` to `spec` and write it to `out_dir`."""
+def load_float_model(src: str | os.PathLike, cfg=None):
+    """(float model on CPU in fp32, cfg, tokenizer, path) of a model directory; ConfigError for a
+    weight-only, QAT/PTQ/INT8 or MoE model (weight-only quantization starts from a float model)."""
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.errors import ConfigError
-    from gptforge.model_io import atomic_dir, load_model, resolve_checkpoint_path, write_model_files
+    from gptforge.model_io import load_model, resolve_checkpoint_path
     from gptforge.transforms.quant import is_fake_quantized, refuse_moe
     from gptforge.transforms.weight_only import read_spec
 
@@ -79,7 +79,35 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     refuse_moe(model, "weight-only quantization")
     model.float()
     tokenizer = load_tokenizer(cfg.Data.tokenizer, path if path.is_dir() else None)
+    return model, cfg, tokenizer, path
+
+
+@dataclass
+class Budget:
+    """A mixed-precision budget (`--avg-bits` or `--max-bytes`) and where the increases come from:
+    `sensitivity` (an analysis.json) or, when None, measured here with `metric` on the calibration text."""
+
+    avg_bits: float | None = None
+    max_bytes: int | None = None
+    sensitivity: str | os.PathLike | None = None
+    metric: str = "kl"
+
+
+def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
+                     calib: str | os.PathLike | None = None, samples: int = 32, seq_len: int = 256,
+                     damp: float = 0.01, act_order: bool = False, overwrite: bool = False,
+                     progress: bool = True, budget: Budget | None = None) -> WeightOnlyResult:
+    """Quantize the float model at `src` to `spec` and write it to `out_dir`; with `budget`, each
+    layer's bit-width (4 or 8) from a sensitivity plan (`bit_plan`), written beside the model."""
+    from gptforge.model_io import atomic_dir, write_model_files
+
+    model, cfg, tokenizer, path = load_float_model(src, cfg)
     fbytes = _bytes(model)
+    plan = None
+    if budget is not None:
+        plan = _plan(model, cfg, tokenizer, path, spec, budget, calib=calib, samples=samples, seq_len=seq_len,
+                     damp=damp, act_order=act_order, progress=progress)
+        spec = dataclasses.replace(spec, layer_bits=plan.layer_bits)
     calibration = "none"
     if spec.method in ("gptq", "awq"):
         seq = min(seq_len, cfg.Model.max_position_embeddings)
@@ -98,4 +126,43 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     with atomic_dir(out_dir, overwrite) as tmp:
         write_model_files(model, cfg, tmp, tokenizer)
         spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path)})
-    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration)
+        if plan is not None:
+            from gptforge.compress import bit_plan
+
+            bit_plan.write_plan(plan, tmp, budget.metric, {"source": str(path), "sensitivity": plan.source})
+    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration, plan)
+
+
+def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **calib):
+    """The plan of `budget` for the float `model`: increases from the given analysis or measured now."""
+    from gptforge.compress import bit_plan
+    from gptforge.compress.sensitivity_run import checkpoint_digest
+    from gptforge.compress.sensitivity_weights import calibration_batches, weight_sensitivity
+    from gptforge.transforms.weight_only import planned_layers
+
+    if spec.bits != 4:
+        from gptforge.errors import UsageError
+
+        raise UsageError("--avg-bits / --max-bytes plan 4- or 8-bit layers: give --weights int4")
+    # an impossible budget fails now, not after minutes of measuring (the bytes need no increases)
+    zero = {n: (0.0, 0.0) for n, _ in planned_layers(model)}
+    dry = bit_plan.layer_rows(model, spec, zero)
+    bit_plan.make_plan(dry, bit_plan.fixed_bytes(model, dry), avg_bits=budget.avg_bits, max_bytes=budget.max_bytes)
+    if budget.sensitivity is not None:
+        increases, state = bit_plan.read_sensitivity(budget.sensitivity, checkpoint_digest(path), spec)
+        budget.metric = state.get("metric", budget.metric)
+        source = str(budget.sensitivity)
+    else:
+        method = spec.method if spec.method == "gptq" else "rtn"  # AWQ's layers are measured rounded to nearest
+        seq = min(calib["seq_len"], cfg.Model.max_position_embeddings) + 1
+        batches = calibration_batches(calibration_ids(tokenizer, calib["calib"], calib["samples"], seq))
+        with torch.no_grad():
+            a = weight_sensitivity(model, spec, batches, metric=budget.metric, method=method, damp=calib["damp"],
+                                   act_order=calib["act_order"], progress=calib["progress"])
+        increases = {n: (r.sensitivity, r.sensitivity8) for n, r in a.layers.items()}
+        source = f"measured by this run ({budget.metric}, {method})"
+    rows = bit_plan.layer_rows(model, spec, increases)
+    plan = bit_plan.make_plan(rows, bit_plan.fixed_bytes(model, rows), avg_bits=budget.avg_bits,
+                              max_bytes=budget.max_bytes)
+    plan.source = source
+    return plan

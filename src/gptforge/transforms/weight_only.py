@@ -45,13 +45,20 @@ INT4_PACK_GROUPS = (32, 64, 128, 256)
 class WeightOnlySpec:
     """What a weight-only directory holds: block Linears at `bits` (4, 8 or 16 = bf16) in groups
     of `group_size` input columns (0: one per row), symmetric or not; the tied embedding / LM
-    head at `head_bits` (4, 8, 16 = bf16, 32 = float as trained), same grouping."""
+    head at `head_bits` (4, 8, 16 = bf16, 32 = float as trained), same grouping. `layer_bits`
+    ({block Linear name or `wte`: bits}, a mixed-precision plan) overrides both per layer."""
 
     bits: int = 4
     group_size: int = 64
     sym: bool = True
     head_bits: int = 8
     method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
+    layer_bits: dict[str, int] | None = dataclasses.field(default=None, hash=False)
+
+    def bits_for(self, name: str) -> int:
+        """The bit-width of block Linear `name` or of `wte` (the tied embedding / head)."""
+        default = self.head_bits if name == "wte" else self.bits
+        return (self.layer_bits or {}).get(name, default)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """The empty weight-only structure on `model` (`apply_structure`)."""
@@ -79,6 +86,10 @@ def read_spec(d: str | Path) -> WeightOnlySpec | None:
     if spec.bits not in (4, 8, 16) or spec.head_bits not in (4, 8, 16, 32) or spec.group_size < 0:
         raise CheckpointError(f"{f}: bits {spec.bits} / head_bits {spec.head_bits} / group_size {spec.group_size} "
                               "not supported; the file is corrupted")
+    bad = [f"{k}: {v}" for k, v in (spec.layer_bits or {}).items()
+           if not isinstance(k, str) or v not in ((4, 8, 16, 32) if k == "wte" else (4, 8, 16))]
+    if bad:
+        raise CheckpointError(f"{f}: layer_bits {bad[0]} not supported; the file is corrupted")
     return spec
 
 
@@ -310,13 +321,14 @@ def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
 
     dev = model.wte.weight.device
     for name, lin in block_linears(model):
+        bits = spec.bits_for(name)
         _set(model, name, WeightOnlyLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                           bits=spec.bits, group_size=spec.group_size, sym=spec.sym,
-                                           act_scale=spec.method == "awq" and spec.bits < 16, device=dev))
-    if spec.head_bits < 32:
+                                           bits=bits, group_size=spec.group_size, sym=spec.sym,
+                                           act_scale=spec.method == "awq" and bits < 16, device=dev))
+    if spec.bits_for("wte") < 32:
         install_embedding(model, WeightOnlyEmbedding(model.wte.num_embeddings, model.wte.embedding_dim,
-                                                     bits=spec.head_bits, group_size=spec.group_size, sym=spec.sym,
-                                                     device=dev))
+                                                     bits=spec.bits_for("wte"), group_size=spec.group_size,
+                                                     sym=spec.sym, device=dev))
     return model
 
 
@@ -325,19 +337,20 @@ def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=
                    act_scale: torch.Tensor | None = None) -> None:
     """Swap block Linear `name` (or `wte`, the tied embedding / head) for its weight-only form:
     rounded to nearest, or the given (q, scale, zero), or AWQ's `act_scale` then rounded."""
+    bits = spec.bits_for(name)
     if name == "wte":
-        if spec.head_bits == 32:
+        if bits == 32:
             return
         emb = model.wte
-        new = WeightOnlyEmbedding(emb.num_embeddings, emb.embedding_dim, bits=spec.head_bits,
+        new = WeightOnlyEmbedding(emb.num_embeddings, emb.embedding_dim, bits=bits,
                                   group_size=spec.group_size, sym=spec.sym, device=emb.weight.device)
-        src = WeightOnlyLinear.from_float(emb.weight.detach(), None, spec.head_bits, spec.group_size, spec.sym,
+        src = WeightOnlyLinear.from_float(emb.weight.detach(), None, bits, spec.group_size, spec.sym,
                                           quantized)
         new.load_state_dict(src.state_dict())
         install_embedding(model, new)
         return
     lin = model.get_submodule(name)
-    _set(model, name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, spec.bits, spec.group_size,
+    _set(model, name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, bits, spec.group_size,
                                                   spec.sym, quantized, act_scale))
 
 
@@ -372,6 +385,26 @@ def dequantize_state_dict(sd: dict[str, torch.Tensor], spec: WeightOnlySpec) -> 
                 v = v / sd[p + "act_scale"]
         out[k] = v
     return out
+
+
+def planned_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers a bit-width plan chooses for, in model order: every block Linear, then `wte`
+    (the tied embedding / LM head)."""
+    from gptforge.model.gpt import block_linears
+
+    return [*block_linears(model), ("wte", model.wte)]
+
+
+def stored_bytes(in_features: int, out_features: int, bits: int, spec: WeightOnlySpec, *, bias: bool = False,
+                 head: bool = False) -> int:
+    """Bytes a weight-only layer of this shape holds at `bits` with `spec`'s grouping (weight,
+    scales, zeros, AWQ's input scale, bias); 32 bits: the float weight (and bias). `head`: the
+    tied embedding, which AWQ does not scale."""
+    if bits == 32:
+        return 4 * (in_features * out_features + (out_features if bias else 0))
+    m = WeightOnlyLinear(in_features, out_features, bias=bias, bits=bits, group_size=spec.group_size, sym=spec.sym,
+                         act_scale=spec.method == "awq" and bits < 16 and not head, device="meta")
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
 
 
 def weight_only_layers(model: nn.Module) -> list[tuple[str, WeightOnlyLinear]]:

@@ -1,0 +1,206 @@
+"""Mixed precision from sensitivity: `analyze --weights int4`, `quantize --avg-bits / --max-bytes`,
+and a mixed 4/8-bit model directory (per-layer bit-widths in weight_only.json). The model's
+outputs are checked against a plain float model whose weights are rounded here with the same
+integer arithmetic (fp32 kernel), and the plan's byte count against the saved tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gptforge.transforms import lowbit
+from gptforge.transforms.weight_only import KERNEL_ENV, WeightOnlySpec, planned_layers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CALIB = ("--samples", "4", "--seq-len", "32", "--group-size", "32")
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    from gf_testutil import tiny_model
+    from gptforge.model_io import save_model_dir
+    from test_train_support import small_tokenizer
+
+    torch.manual_seed(0)
+    m, cfg = tiny_model()
+    d = tmp_path_factory.mktemp("mixed") / "float"
+    save_model_dir(m, cfg, d, small_tokenizer())
+    text = d.parent / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and runs far away. " * 60)
+    return d, text
+
+
+@pytest.fixture(scope="module")
+def analysis(float_dir):
+    """analysis.json of `gptforge analyze --weights int4` on the tiny model (run once)."""
+    from gptforge.cli import main
+
+    src, text = float_dir
+    out = src.parent / "analysis"
+    assert main(["analyze", "--ckpt", str(src), "--weights", "int4", "--calib", str(text), *CALIB, "--out", str(out),
+                 "--no-progress"]) == 0
+    return out / "analysis.json"
+
+
+def test_analyze_has_one_finite_row_per_linear_and_the_head(float_dir, analysis, run_cli):
+    from gptforge.model_io import load_model
+
+    m, _ = load_model(float_dir[0])
+    names = [n for n, _ in planned_layers(m)]
+    assert len(names) == 4 * len(m.blocks) + 1 and names[-1] == "wte"
+    state = json.loads(analysis.read_text())
+    assert state["mode"] == "weights" and state["metric"] == "kl" and state["complete"]
+    assert sorted(state["layers"]) == sorted(names)
+    rows = {r["name"]: r for r in state["weights"]["rows"]}
+    for n in names:
+        r = state["layers"][n]
+        assert math.isfinite(r["sensitivity"]) and math.isfinite(r["sensitivity8"])
+        assert rows[n]["bytes"]["4"] < rows[n]["bytes"]["8"]
+    # rounding to 4 bits hurts more than to 8, and the head (the largest layer here) most
+    assert sum(r["sensitivity"] for r in state["layers"].values()) > 10 * sum(
+        abs(r["sensitivity8"]) for r in state["layers"].values())
+    assert max(state["layers"], key=lambda n: state["layers"][n]["sensitivity"]) == "wte"
+    txt = (analysis.parent / "analysis.txt").read_text()
+    assert all(n in txt for n in names)
+    # the same command again resumes every layer from the state file
+    src, text = float_dir
+    code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--calib", text, *CALIB,
+                             "--out", analysis.parent, "--no-progress")
+    assert code == 0, err
+    assert f"({len(names)} layers resumed)" in out
+
+
+def test_the_metric_is_zero_on_the_float_model_and_loss_works(float_dir):
+    from gptforge.compress.sensitivity_weights import build_metric, calibration_batches, weight_sensitivity
+    from gptforge.compress.weight_only_run import calibration_ids, load_float_model
+
+    model, _, tok, _ = load_float_model(float_dir[0])
+    b = calibration_batches(calibration_ids(tok, float_dir[1], 3, 17))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    a = weight_sensitivity(model, WeightOnlySpec(group_size=32), b, metric="loss", method="gptq",
+                           eight_bits=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # restored exactly
+    assert a.metric == "loss" and all(math.isfinite(r.sensitivity) and r.sensitivity8 is None
+                                      for r in a.layers.values())
+    assert build_metric(model, b, "kl")(model) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_analyze_loss_metric_with_gptq_from_the_cli(float_dir, run_cli, tmp_path):
+    src, text = float_dir
+    code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--metric", "loss", "--method", "gptq",
+                             "--calib", text, *CALIB, "--out", tmp_path / "a", "--no-progress", "--show", "3")
+    assert code == 0, err
+    assert "(gptq), mean token loss" in out and "... 6 more" in out
+    state = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert state["metric"] == "loss" and state["fingerprint"]["weights"]["method"] == "gptq"
+    assert all(math.isfinite(r["sensitivity"]) for r in state["layers"].values())
+
+
+def _rounded(w, bits):
+    q, s, z = lowbit.quantize_rtn(w, bits, 32, True)
+    return lowbit.dequantize(q, s, z, 32)
+
+
+def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir, analysis, run_cli, tmp_path,
+                                                                       monkeypatch):
+    from gptforge.compress.bit_plan import PLAN_JSON, PLAN_MD
+    from gptforge.model_io import load_model
+    from gptforge.transforms.weight_only import quantize_rtn_model, read_spec
+
+    monkeypatch.setenv(KERNEL_ENV, "fp32")
+    src, text = float_dir
+    out = tmp_path / "mixed"
+    code, stdout, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", "int4", "--group-size", "32",
+                                "--avg-bits", "4.6", "--sensitivity", analysis)
+    assert code == 0, err
+    assert "mixed 4/8 bits" in stdout
+    plan = json.loads((out / PLAN_JSON).read_text())
+    assert (out / PLAN_MD).read_text().startswith("# Mixed-precision plan (--avg-bits 4.6)")
+    bits = plan["layer_bits"]
+    assert set(bits.values()) == {4, 8} and plan["avg_bits"] <= 4.6
+    assert read_spec(out).layer_bits == bits
+    q, _ = load_model(out)
+    for name, mod in planned_layers(q):
+        assert mod.bits == bits[name], name
+    assert plan["total_bytes"] == sum(t.numel() * t.element_size() for t in q.state_dict().values())
+    # the plan applied in memory: quantize_rtn_model with the same per-layer bits
+    mem, _ = load_model(src)
+    quantize_rtn_model(mem, WeightOnlySpec(bits=4, group_size=32, layer_bits=bits))
+    # and a reference no weight-only module computes: a float model with each weight rounded here
+    ref, _ = load_model(src)
+    with torch.no_grad():
+        for name, mod in planned_layers(ref):
+            w = mod.weight
+            w.copy_(_rounded(w.float(), bits[name]))
+    ids = torch.randint(0, 4096, (2, 16))
+    with torch.no_grad():
+        lq, lm, lr = q(ids).logits, mem(ids).logits, ref(ids).logits
+    assert torch.equal(lq, lm)
+    torch.testing.assert_close(lq, lr, rtol=1e-5, atol=1e-5)
+    code, stdout, err = run_cli("generate", "--ckpt", out, "--prompt", "the quick", "-o",
+                                "Generation.decode_strategy=greedy_search", "-o", "Generation.max_dec_len=3",
+                                "--no-stream")
+    assert code == 0 and stdout.startswith("the quick"), err
+    code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table shows both widths
+    assert code == 0 and "int4 sym group 32" in stdout and "int8 sym group 32" in stdout, err
+
+
+def test_max_bytes_measured_on_the_fly_fits(float_dir, run_cli, tmp_path):
+    src, text = float_dir
+    out = tmp_path / "mb"
+    code, stdout, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", "int4", "--calib", text,
+                                *CALIB, "--max-bytes", "330000", "--method", "gptq", "--no-progress")
+    assert code == 0, err
+    plan = json.loads((out / "quant_plan.json").read_text())
+    assert plan["total_bytes"] <= 330000 and "measured by this run" in plan["sensitivity"]
+    assert 8 in plan["layer_bits"].values()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--weights", "int8", "--avg-bits", "5"), "--weights int4"),
+    (("--weights", "int4", "--avg-bits", "5", "--max-bytes", "9"), "one"),
+    (("--weights", "int4", "--avg-bits", "5", "--head-bits", "8"), "--head-bits"),
+    (("--weights", "int4", "--sensitivity", "S"), "--sensitivity applies"),
+    (("--avg-bits", "5",), "--avg-bits applies with --weights"),
+    (("--weights", "int4", "--group-size", "32", "--avg-bits", "3"), "below 4"),
+    (("--weights", "int4", "--group-size", "32", "--max-bytes", "1000", "--sensitivity", "S"),
+     "below the smallest model this plan can make"),
+    (("--weights", "int4", "--group-size", "32", "--max-bytes", "1000"), "(every layer at 4 bits)"),  # before measuring
+    (("--weights", "int4", "--group-size", "64", "--avg-bits", "5", "--sensitivity", "S"), "group_size 32"),
+    (("--weights", "int4", "--group-size", "32", "--avg-bits", "5", "--sensitivity", "MISSING"), "unreadable"),
+])
+def test_quantize_plan_errors_are_one_line(float_dir, analysis, run_cli, tmp_path, extra, needle):
+    subst = {"S": str(analysis), "MISSING": str(tmp_path / "none.json")}
+    code, _, err = run_cli("quantize", "--ckpt", float_dir[0], "--out", tmp_path / "o",
+                           *(subst.get(a, a) for a in extra))
+    assert code == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_sensitivity_of_another_model_is_refused(float_dir, analysis, run_cli, tmp_path):
+    from gf_testutil import tiny_model
+    from gptforge.model_io import save_model_dir
+    from test_train_support import small_tokenizer
+
+    torch.manual_seed(1)
+    m, cfg = tiny_model()
+    other = tmp_path / "other"
+    save_model_dir(m, cfg, other, small_tokenizer())
+    code, _, err = run_cli("quantize", "--ckpt", other, "--out", tmp_path / "o", "--weights", "int4",
+                           "--group-size", "32", "--avg-bits", "5", "--sensitivity", analysis)
+    assert code == 2 and "analyses another model" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--weights", "int4", "--top-k", "3"), "--top-k"),
+    (("--weights", "int4", "--metric", "cosine"), "--metric cosine"),
+    (("--weights", "int4", "--mode", "ptq"), "--mode"),
+    (("--group-size", "32",), "--group-size applies with --weights"),
+])
+def test_analyze_weight_flag_errors_are_one_line(float_dir, run_cli, tmp_path, extra, needle):
+    code, _, err = run_cli("analyze", "--ckpt", float_dir[0], "--out", tmp_path / "a", *extra)
+    assert code == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1
