@@ -37,24 +37,28 @@ class Plan:
     """The sizes of a run (the defaults are the acceptance run's)."""
 
     vocab: int = 2048
-    pretrain_steps: int = 300
+    pretrain_steps: int = 400
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    train: int = 4000
+    train: int = 6000
     test: int = 200
-    seq_len: int = 128
+    seq_len: int = 64
     batch: int = 16
-    sft_epochs: int = 3
+    sft_epochs: int = 4
     sft_lr: float = 3e-3
     lora_lr: float = 1e-2
+    lora_alpha: int = 32
+    # every Linear: q/k/v/out_proj/linear1/linear2 of every block, and the (tied) vocabulary
+    # projection, without which a LoRA over a briefly pretrained base barely moves its outputs
+    lora_targets: str = "all,head"
     dpo_steps: int = 300
     dpo_lr: float = 1e-3
     dpo_beta: float = 0.1
     max_new: int = 24
     methods: tuple = ("full", "lora", "lora_int8")
     min_len: int = 3  # items per reverse / sort / format task
-    max_len: int = 6
+    max_len: int = 5
     save_steps: int = -1  # checkpoints during SFT (for learning curves)
     pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
 
@@ -133,7 +137,7 @@ def sft(work: Path, plan: Plan, base: Path, method: str, files: dict) -> dict:
     out = work / f"sft_{method}"
     lr = plan.sft_lr if method == "full" else plan.lora_lr
     extra = [] if method == "full" else ["--method", "lora", "-o", "Instruct.lora.r=16", "-o",
-                                         "Instruct.lora.alpha=16", "-o", "Instruct.lora.targets=all"]
+                                         f"Instruct.lora.alpha={plan.lora_alpha}", "-o", f"Instruct.lora.targets=[{plan.lora_targets}]"]
     t = time.time()
     log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={plan.sft_epochs}",
               "-o", f"Optimizer.lr.max_lr={lr}", "-o", f"Optimizer.lr.min_lr={lr / 20}", *extra, *_common(plan),
