@@ -138,15 +138,19 @@ def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
     print(json.dumps(res), e2e.table(res), sep="\n", flush=True)
     full, lora, int8 = (res["sft"][m] for m in ("full", "lora", "lora_int8"))
     pref = res["dpo"]
+    # Met in the measured run (benchmarks/results/2026-11-25-sft-end-to-end.md): every greedy
+    # answer ended with EOS, full fine-tuning's held-out exact match 0.915; DPO starts near chance.
     for r in (full, lora, int8):
         assert r["ended_with_eos"] >= 0.99, r
+    assert full["exact_match"] >= 0.90, full
     assert 0.3 <= pref["before"]["accuracy"] <= 0.7, pref
-    # GUARDED
-    # The issue's targets, reported rather than hidden while a target is not reached.
-    missed = {k: v for k, v in {
-        "exact match >= 0.90": full["exact_match"], "LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"],
-        "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"],
-        "DPO preference accuracy >= 0.90": pref["after"]["accuracy"]}.items()
-        if (v < 0.90 if ">=" in k else v < -0.02)}
+    # Not met yet (LoRA r = 16 stays near 0 where full fine-tuning reaches 0.9; likely cause: copying ~30
+    # distinct tokens through a base with no copying circuit needs more than a rank-16 update):
+    # reported with the numbers rather than hidden.
+    checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
+              "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02,
+              "DPO preference accuracy >= 0.90": pref["after"]["accuracy"] >= 0.90}
+    missed = [k for k, ok in checks.items() if not ok]
     if missed:
-        pytest.xfail(f"issue 31 targets not reached: {missed}")
+        pytest.xfail(f"issue 31 targets not reached: {missed}; exact match full {full['exact_match']}, LoRA "
+                     f"{lora['exact_match']}, LoRA over INT8 {int8['exact_match']}; DPO {pref['after']['accuracy']}")
