@@ -144,9 +144,9 @@ def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
         assert r["ended_with_eos"] >= 0.99, r
     assert full["exact_match"] >= 0.90, full
     assert 0.3 <= pref["before"]["accuracy"] <= 0.7, pref
-    # Not met yet (LoRA r = 16 stays near 0 where full fine-tuning reaches 0.9; likely cause: copying ~30
-    # distinct tokens through a base with no copying circuit needs more than a rank-16 update):
-    # reported with the numbers rather than hidden.
+    # Not met yet: LoRA r = 16 stays on the loss plateau that full fine-tuning leaves (exact match
+    # 0.005 against 0.915; the base, pretrained 400 steps, has little to adapt), and DPO reached
+    # 0.715. Reported with the numbers rather than hidden.
     checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
               "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02,
               "DPO preference accuracy >= 0.90": pref["after"]["accuracy"] >= 0.90}
