@@ -66,8 +66,10 @@ def load_base(cfg: Config, pretrained: str | os.PathLike | None, device=None) ->
     if not spec:
         raise ConfigError("Model.pretrained: give the model to tune with --ckpt DIR (or -o Model.pretrained=DIR)")
     p = resolve_checkpoint_path(spec)
-    if ((read_checkpoint_config(p).get("Compress") or {}).get("Quantization") or {}).get("converted"):
-        raise CheckpointError(f"{p}: a converted INT8 model cannot be fully fine-tuned; tune the float or QAT model")
+    converted = ((read_checkpoint_config(p).get("Compress") or {}).get("Quantization") or {}).get("converted")
+    if converted and cfg.Instruct.method != "lora":  # LoRA trains float adapters over the frozen INT8 layers
+        raise CheckpointError(f"{p}: a converted INT8 model cannot be fully fine-tuned; tune the float or QAT model, "
+                              "or train LoRA adapters over it (--method lora)")
     if device is None:
         from gptforge.device import select_device
 

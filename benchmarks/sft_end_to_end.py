@@ -1,0 +1,228 @@
+"""Instruction tuning end to end on the built-in corpus (issue 31's acceptance), through the CLI.
+
+    PYTHONPATH=src python benchmarks/sft_end_to_end.py --work /tmp/e2e [--pretrain-steps 300] ...
+
+1. `gptforge tokenizer train --builtin`: a small BPE learned from the built-in corpus (a small
+   vocabulary keeps the head cheap; the synthetic tasks give every character its own token in
+   any byte-level BPE).
+2. `gptforge pretrain -c pretrain_gpt_tiny_cpu` with that tokenizer.
+3. The synthetic instruction set (gptforge.data.synthetic_instructions): training instances,
+   held-out test instances and preference pairs.
+4. `gptforge sft` three ways from the pretrained model: full fine-tuning; LoRA r=16 on all
+   Linears; the same LoRA over the INT8 model (`gptforge ptq` + `gptforge quantize --convert`).
+   Each is scored on the held-out instances with greedy answers (the model's chat template):
+   exact match, per task, and the share ending with EOS within the token limit.
+5. `gptforge dpo` from the pretrained model on the preference pairs: held-out preference
+   accuracy before and after.
+
+Prints one JSON line per stage and a table; writes WORK/results.json. The slow test
+tests/test_sft_end_to_end.py runs `run_pipeline` (this file is its one implementation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Plan:
+    """The sizes of a run (the defaults are the acceptance run's)."""
+
+    vocab: int = 2048
+    pretrain_steps: int = 400
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    train: int = 6000
+    test: int = 200
+    seq_len: int = 64
+    batch: int = 16
+    sft_epochs: int = 4
+    sft_lr: float = 3e-3
+    lora_lr: float = 1e-2
+    lora_alpha: int = 32
+    # every Linear: q/k/v/out_proj/linear1/linear2 of every block, and the (tied) vocabulary
+    # projection, without which a LoRA over a briefly pretrained base barely moves its outputs
+    lora_targets: str = "all,head"
+    dpo_steps: int = 300
+    dpo_lr: float = 1e-3
+    dpo_beta: float = 0.1
+    max_new: int = 24
+    methods: tuple = ("full", "lora", "lora_int8")
+    min_len: int = 3  # items per reverse / sort / format task
+    max_len: int = 5
+    save_steps: int = -1  # checkpoints during SFT (for learning curves)
+    pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
+
+
+def cli(*argv) -> str:
+    """`gptforge ARGV` in this process; returns its stdout, raises with its stderr on failure."""
+    from gptforge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    if code != 0:
+        raise RuntimeError(f"gptforge {' '.join(map(str, argv))} failed ({code}): {err.getvalue()[-2000:]}")
+    return out.getvalue()
+
+
+def greedy_answers(ckpt, prompts: list[str], max_new: int, adapter=None) -> dict:
+    """Greedy answers of the model at `ckpt` (+ `adapter`) with its own chat template."""
+    from gptforge.config.schema import GenerationConfig
+    from gptforge.data.chat_template import template_for
+    from gptforge.data.synthetic_instructions import messages
+    from gptforge.data.tokenizer import load_tokenizer
+    from gptforge.generate.api import generate_ids
+    from gptforge.generate.loader import load_runnable
+
+    model, _, _ = load_runnable(ckpt, adapter=adapter)
+    tok = load_tokenizer(None, adapter or ckpt)  # the adapter directory carries the template it was tuned with
+    template = template_for(tok)
+    ids = [template.prompt_ids(tok, messages(p)) for p in prompts]
+    out = generate_ids(model, ids, GenerationConfig(decode_strategy="greedy_search", max_dec_len=max_new),
+                       eos_token_id=tok.eos_token_id)
+    return {"answers": [tok.decode(s) for s in out.sequences()], "finished": out.finished.tolist()}
+
+
+def score(ckpt, files: dict, max_new: int, adapter=None) -> dict:
+    from gptforge.data.synthetic_instructions import score_answers
+
+    test = [json.loads(line)["messages"] for line in Path(files["test"]).read_text().splitlines()]
+    prompts = [m[0]["content"] for m in test]
+    got = greedy_answers(ckpt, prompts, max_new, adapter)
+    out = score_answers(got["answers"], got["finished"], [m[1]["content"] for m in test], prompts)
+    out["examples"] = [[p, a] for p, a in zip(prompts[:8], got["answers"][:8], strict=True)]
+    return out
+
+
+def _common(plan: Plan) -> list[str]:
+    return ["-o", f"Global.global_batch_size={plan.batch}", "-o", f"Data.Train.dataset.max_seq_len={plan.seq_len}",
+            "-o", "Model.hidden_dropout_prob=0", "-o", "Model.attention_probs_dropout_prob=0", "-o",
+            "Engine.save_load.save_steps=-1", "-o", "Engine.logging_freq=100", "--no-progress"]
+
+
+def pretrain(work: Path, plan: Plan) -> Path:
+    cli("tokenizer", "train", "--builtin", "--vocab-size", plan.vocab, "--out", work / "tok", "--no-progress")
+    o = [f"Engine.max_steps={plan.pretrain_steps}", "Engine.eval_freq=-1", "Engine.save_load.save_steps=-1",
+         "Global.global_batch_size=16", "Global.local_batch_size=16", "Global.micro_batch_size=16",
+         f"Data.tokenizer={work / 'tok'}", f"Model.vocab_size={plan.vocab}", f"Model.hidden_size={plan.hidden}",
+         f"Model.num_layers={plan.layers}", f"Model.num_attention_heads={plan.heads}",
+         f"Model.ffn_hidden_size={4 * plan.hidden}", "Data.Train.dataset.max_seq_len=128",
+         "Data.Eval.dataset.max_seq_len=128", "Optimizer.lr.max_lr=2e-3", "Engine.logging_freq=50", "Global.device=cpu"]
+    cli("pretrain", "-c", "pretrain_gpt_tiny_cpu", *[x for k in o for x in ("-o", k)], "--out", work / "pre",
+        "--no-progress")
+    return work / "pre" / f"step_{plan.pretrain_steps}"
+
+
+def int8_base(work: Path, pre: Path) -> Path:
+    """The pretrained model as a real INT8 model: PTQ's calibrated fake-quant, then --convert."""
+    cli("ptq", "--ckpt", pre, "--out", work / "ptq", "--no-progress")
+    cli("quantize", "--ckpt", work / "ptq", "--convert", "--out", work / "int8")
+    return work / "int8"
+
+
+def sft(work: Path, plan: Plan, base: Path, method: str, files: dict) -> dict:
+    out = work / f"sft_{method}"
+    lr = plan.sft_lr if method == "full" else plan.lora_lr
+    extra = [] if method == "full" else ["--method", "lora", "-o", "Instruct.lora.r=16", "-o",
+                                         f"Instruct.lora.alpha={plan.lora_alpha}", "-o", f"Instruct.lora.targets=[{plan.lora_targets}]"]
+    t = time.time()
+    log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={plan.sft_epochs}",
+              "-o", f"Optimizer.lr.max_lr={lr}", "-o", f"Optimizer.lr.min_lr={lr / 20}", *extra, *_common(plan),
+              "-o", f"Engine.save_load.save_steps={plan.save_steps}")
+    minutes = (time.time() - t) / 60
+    if method == "full":
+        res = score(sorted(out.glob("step_*"), key=lambda p: int(p.name[5:]))[-1], files, plan.max_new)
+    else:
+        res = score(base, files, plan.max_new, adapter=out / "adapter")
+    res.update(method=method, minutes=round(minutes, 1), trainable=next(
+        (ln.split(": ", 2)[2] for ln in log.splitlines() if "trainable parameters" in ln), "all"))
+    return res
+
+
+def dpo(work: Path, plan: Plan, base: Path, files: dict) -> dict:
+    t = time.time()
+    cli("dpo", "--ckpt", base, "--data", files["pref_train"], "--eval-data", files["pref_test"], "--out", work / "dpo",
+        "-o", f"Instruct.max_steps={plan.dpo_steps}", "-o", f"Instruct.beta={plan.dpo_beta}", "-o",
+        f"Optimizer.lr.max_lr={plan.dpo_lr}", "-o", f"Optimizer.lr.min_lr={plan.dpo_lr / 20}", *_common(plan))
+    res = json.loads((work / "dpo" / "dpo_results.json").read_text())
+    res["minutes"] = round((time.time() - t) / 60, 1)
+    return res
+
+
+def run_pipeline(work: str | os.PathLike, plan: Plan | None = None, echo=print) -> dict:
+    """Every stage in `work`; returns {"plan", "pretrain_minutes", "sft": {method: score}, "dpo"}."""
+    from gptforge.data.synthetic_instructions import write_set
+    from gptforge.data.tokenizer import load_tokenizer
+
+    plan = plan or Plan()
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    pre = Path(plan.pretrained) if plan.pretrained else pretrain(work, plan)
+    results: dict = {"plan": asdict(plan), "pretrain_minutes": round((time.time() - t) / 60, 1), "sft": {}}
+    echo(json.dumps({"pretrain": results["pretrain_minutes"]}), flush=True)
+    files = write_set(work / "data", plan.train, plan.test, lengths=(plan.min_len, plan.max_len),
+                      tokenizer=load_tokenizer(None, pre))
+    for method in plan.methods:
+        base = int8_base(work, pre) if method == "lora_int8" else pre
+        results["sft"][method] = sft(work, plan, base, method, files)
+        echo(json.dumps({method: results["sft"][method]}), flush=True)
+    if plan.dpo_steps:
+        results["dpo"] = dpo(work, plan, pre, files)
+        echo(json.dumps({"dpo": results["dpo"]}), flush=True)
+    (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def table(results: dict) -> str:
+    """The results as a markdown table."""
+    rows = ["| measure | " + " | ".join(results["sft"]) + " |", "|---|" + "---|" * len(results["sft"])]
+    sft = list(results["sft"].values())
+    rows.append("| ended with EOS | " + " | ".join(f"{r['ended_with_eos']:.3f}" for r in sft) + " |")
+    rows.append("| exact match | " + " | ".join(f"**{r['exact_match']:.3f}**" for r in sft) + " |")
+    for task in sft[0]["by_task"] if sft else ():
+        rows.append(f"| - {task} | " + " | ".join(f"{r['by_task'][task]:.2f}" for r in sft) + " |")
+    rows.append("| minutes | " + " | ".join(str(r["minutes"]) for r in sft) + " |")
+    if "dpo" in results:
+        d = results["dpo"]
+        rows.append(f"\nDPO held-out preference accuracy {d['before']['accuracy']:.3f} -> {d['after']['accuracy']:.3f} "
+                    f"(reward accuracy {d['after']['reward_accuracy']:.3f}, {d['after']['pairs']} pairs)")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", required=True, help="working directory (models, data, results.json)")
+    for f, v in asdict(Plan()).items():
+        if f != "methods":
+            p.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+    p.add_argument("--methods", default="full,lora,lora_int8", help="comma-separated: full, lora, lora_int8")
+    p.add_argument("--threads", type=int, default=1)
+    args = vars(p.parse_args(argv))
+    import torch
+
+    torch.set_num_threads(args.pop("threads"))
+    work = args.pop("work")
+    args["methods"] = tuple(m for m in args["methods"].split(",") if m)
+    print(f"load average {os.getloadavg()}, {torch.get_num_threads()} thread(s)", flush=True)
+    results = run_pipeline(work, Plan(**args))
+    print(table(results))
+    print(f"load average {os.getloadavg()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
