@@ -252,6 +252,12 @@ def _output_prefix(output_prefix: str | os.PathLike) -> Path:
     return Path(text)
 
 
+def output_files(output_prefix: str | os.PathLike) -> list[Path]:
+    """The files a run into `output_prefix` writes: `_ids.npy`, `_idx.npz`, `_meta.json`."""
+    prefix = _output_prefix(output_prefix)
+    return [Path(str(prefix) + suffix) for suffix in (IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX)]
+
+
 def default_workers(total_bytes: int | None) -> int:
     """All cores for big inputs; in-process below 4 MB, where starting workers costs more."""
     if total_bytes is not None and total_bytes < 4 * CHUNK_BYTES:
