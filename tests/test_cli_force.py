@@ -138,6 +138,20 @@ def test_existing_output_is_refused_before_work_and_replaced_with_force(verb, tm
     assert not [p.name for p in existing.parent.iterdir() if p.name.startswith(".")], "temp files left"
 
 
+def test_preprocess_completes_what_a_killed_run_published(tmp_path, request, run_cli):
+    """`_ids.npy` / `_meta.json` without `_idx.npz` (renamed last) are a killed run's remains, not
+    a finished output: running again completes the set without --force."""
+    argv, idx, _ = _preprocess(tmp_path, request)
+    idx.parent.mkdir(parents=True)
+    (idx.parent / "c_ids.npy").write_bytes(OLD)
+    (idx.parent / "c_meta.json").write_bytes(OLD)
+    code, _, err = run_cli(*argv)
+    assert code == 0, err
+    from gptforge.data.indexed import load_token_files
+
+    assert load_token_files(tmp_path / "data" / "c").n_docs == 20
+
+
 @pytest.mark.parametrize("verb", ["eval", "generate", "infer"])
 def test_out_that_is_a_directory_is_refused_even_with_force(verb, tmp_path, request, run_cli, capsys):
     argv, existing, _ = WRITERS[verb](tmp_path, request)

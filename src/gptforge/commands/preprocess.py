@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gptforge.commands.common import refuse_existing
-    from gptforge.data.preprocess import output_files, preprocess_documents, preprocess_files
+    from gptforge.data.preprocess import finished_marker, preprocess_documents, preprocess_files
     from gptforge.data.tokenizer import load_tokenizer
 
     if not args.input and not args.builtin:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers {args.workers}: must be >= 1")
     if args.min_doc_length < 0:
         raise UsageError(f"--min-doc-length {args.min_doc_length}: must be >= 0")
-    refuse_existing(output_files(args.output_prefix), args.force)  # before the tokenizer loads or a byte is read
+    refuse_existing([finished_marker(args.output_prefix)], args.force)  # before the tokenizer loads or a byte is read
     spec = args.tokenizer
     if spec is None and (args.config or args.override):
         from gptforge.commands.common import config_from_args

@@ -252,10 +252,11 @@ def _output_prefix(output_prefix: str | os.PathLike) -> Path:
     return Path(text)
 
 
-def output_files(output_prefix: str | os.PathLike) -> list[Path]:
-    """The files a run into `output_prefix` writes: `_ids.npy`, `_idx.npz`, `_meta.json`."""
-    prefix = _output_prefix(output_prefix)
-    return [Path(str(prefix) + suffix) for suffix in (IDS_SUFFIX, IDX_SUFFIX, META_SUFFIX)]
+def finished_marker(output_prefix: str | os.PathLike) -> Path:
+    """`<prefix>_idx.npz`: renamed last, so it exists exactly when a finished run's files are there.
+    What a killed run published before it (`_ids.npy`, `_meta.json`) is not an output to protect:
+    running again completes the set."""
+    return Path(str(_output_prefix(output_prefix)) + IDX_SUFFIX)
 
 
 def default_workers(total_bytes: int | None) -> int:
