@@ -144,7 +144,7 @@ def add_overwrite_arg(p: argparse.ArgumentParser, what: str = "--out") -> None:
     """`--force` of a verb that writes `--out` whole: without it an existing output is refused
     before any work (`ensure_out_file` / `ensure_out_dir`); with it the output is replaced."""
     p.add_argument("--force", action="store_true",
-                   help=f"overwrite {what} if it exists (default: refuse, before doing any work)")
+                   help=f"overwrite {what} if present (default: refuse, before doing any work)")
 
 
 def refuse_existing(paths, force: bool, flag: str = "--out") -> None:

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="the built-in corpus: this Python's standard library (docstrings, help topics, source)")
     p.add_argument("--out", "--output-prefix", "--output_prefix", dest="output_prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX_ids.npy + PREFIX_idx.npz (+ PREFIX_meta.json)")
-    add_overwrite_arg(p, "PREFIX's files")
+    add_overwrite_arg(p, "the files of a finished PREFIX")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="gpt2 | a tokenizer directory or tokenizer.json | a model directory "
                         "(default: Data.tokenizer from -c/-o, else gpt2)")
