@@ -70,7 +70,7 @@ def test_eval_window_defaults_to_the_model_context(model_dir, tmp_path, run_cli)
     raw = yaml.safe_load((old / "config.yaml").read_text())
     raw.setdefault("Offline_Eval", {})["max_seq_len"] = 1024
     (old / "config.yaml").write_text(yaml.safe_dump(raw))
-    code, _, err = run_cli("eval", "--ckpt", old, "-o", f"Offline_Eval.eval_path={text}", "--out", out,
+    code, _, err = run_cli("eval", "--ckpt", old, "-o", f"Offline_Eval.eval_path={text}", "--out", out, "--force",
                            "--no-progress")
     assert code == 0, err
 

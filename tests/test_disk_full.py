@@ -157,7 +157,7 @@ def test_preprocess_on_a_full_disk(run_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr
     before = snapshot(tmp_path / "out")
     proc = run_limited(4096, "preprocess", "--input", tmp_path / "text.txt", "--output-prefix",
-                       tmp_path / "out" / "corpus", "--tokenizer", tok, "--no-progress", "--workers", "1")
+                       tmp_path / "out" / "corpus", "--tokenizer", tok, "--no-progress", "--workers", "1", "--force")
     assert_disk_full(proc, tmp_path / "out" / "corpus")
     assert snapshot(tmp_path / "out") == before and no_temps(tmp_path / "out") == []
 
@@ -166,7 +166,7 @@ def test_eval_results_on_a_full_disk(run_dir, tmp_path):
     (tmp_path / "wiki.txt").write_text(TEXT[:3000])
     results = tmp_path / "results.json"
     results.write_text('{"previous": true}\n')
-    proc = run_limited(100, "eval", "--ckpt", run_dir / "out" / "step_2", "--output", results, "--no-progress",
+    proc = run_limited(100, "eval", "--ckpt", run_dir / "out" / "step_2", "--output", results, "--force", "--no-progress",
                        "-o", f"Offline_Eval.eval_path={tmp_path / 'wiki.txt'}", "-o", "Offline_Eval.max_seq_len=32",
                        "-o", "Global.device=cpu")
     assert_disk_full(proc, results)

@@ -32,7 +32,8 @@ def test_infer_greedy_equals_generate(run_cli, which, fp32, int8, tmp_path):
     model_dir, onnx_dir = fp32 if which == "fp32" else int8
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
     # several prompts of different lengths: one left-padded batch
-    want, got = _both(run_cli, model_dir, onnx_dir, *prompts, *GREEDY, "--json", tmp_path / "out.json")
+    # --force: infer writes over the file generate wrote (the JSON checked below is infer's)
+    want, got = _both(run_cli, model_dir, onnx_dir, *prompts, *GREEDY, "--json", tmp_path / "out.json", "--force")
     assert got == want and want.count("### prompt") == 3
     data = json.loads((tmp_path / "out.json").read_text())
     assert [r["prompt"] for r in data["results"]] == PROMPTS

@@ -25,6 +25,7 @@ plans each layer's bits from it (compress/sensitivity_weights.py, compress/bit_p
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gptforge.commands.common import add_config_args
 
@@ -58,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "write skip_tensor_map.yaml leaving the N most sensitive layers float, and print the -o override and "
         "gptforge qat command"))
     p.add_argument("--out", default="analysis_results", metavar="DIR", help="output directory (default: %(default)s)")
-    p.add_argument("--no-resume", action="store_true", help=(
-        "start over even if <out>/analysis.json holds progress for the same inputs (default: resume it)"))
+    p.add_argument("--force", "--no-resume", dest="force", action="store_true", help=(
+        "start over in --out, replacing the analysis there (default: resume an analysis of the same inputs; "
+        "refuse one of other inputs, or analysis files without one; --no-resume: the older spelling)"))
     p.add_argument("--no-plot", action="store_true", help="do not write analysis.png")
     p.add_argument("--show", type=int, default=20, metavar="N", help="rows of the ranking printed (default 20; 0 = all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     _place_ckpt(args)
     if not args.qat_ckpt and not args.float_ckpt:
         raise UsageError("give the model to analyse with --ckpt DIR (a QAT/PTQ model; --mode ptq: a float model)")
+    _check_out(args)
     overrides = list(args.override)
     if args.eval_path:
         overrides.append(f"Offline_Eval.eval_path={args.eval_path}")
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     with lock_dir(args.out, "analyze"):  # one analysis per output directory at a time
         res = run_analysis(cfg, qat_ckpt=args.qat_ckpt, float_ckpt=args.float_ckpt, mode=args.mode,
                            metric=args.metric, out_dir=args.out, batches=args.batches, layers=args.layers,
-                           top_k=args.top_k, resume=not args.no_resume, plot=not args.no_plot,
+                           top_k=args.top_k, resume=not args.force, plot=not args.no_plot,
                            progress=not args.no_progress, config_file=args.config)
     a = res.analysis
     base = "QAT model" if a.mode == "qat" else "float model"
@@ -173,12 +176,13 @@ def _weights(args: argparse.Namespace) -> int:
         raise UsageError(f"--samples {args.samples} / --seq-len {args.seq_len}: give at least 1 window of 2 tokens")
     if not 0 < args.damp < 1:
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
+    _check_out(args)
     cfg = config_from_args(args)
     spec = WeightOnlySpec(bits=4, group_size=args.group_size, sym=not args.asym, method=args.method)
     with lock_dir(args.out, "analyze"):
         r = run_weight_analysis(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
                                 seq_len=args.seq_len, metric=metric, method=args.method, damp=args.damp,
-                                resume=not args.no_resume, progress=not args.no_progress)
+                                resume=not args.force, progress=not args.no_progress)
     a = r.analysis
     print(f"gptforge analyze: weight-only int4 {'g' + str(args.group_size) if args.group_size else 'per row'} "
           f"({args.method}), {a.metric_label}; calibration {r.calibration}"
@@ -192,3 +196,18 @@ def _weights(args: argparse.Namespace) -> int:
     print(f"plan from it: gptforge quantize --ckpt {args.ckpt} --weights int4 --group-size {args.group_size} "
           f"--avg-bits 4.5 --sensitivity {r.files['json']} --out DIR")
     return 0
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """Before any model loads: `--out` is a directory whose analysis files belong to an analysis
+    (analysis.json: resumed, or refused by run_analysis when its inputs differ) or are absent,
+    unless --force."""
+    from gptforge.commands.common import refuse_existing
+    from gptforge.compress import sensitivity_report as rep
+    from gptforge.errors import UsageError
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, expected a directory; choose another --out")
+    if not (out / rep.JSON_FILE).is_file():
+        refuse_existing([out / name for name in (rep.TXT, rep.PNG, rep.SKIP_YAML)], args.force)

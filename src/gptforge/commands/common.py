@@ -142,9 +142,33 @@ def load_model_and_tokenizer(args: argparse.Namespace, cfg: Config, device=None)
     return model, cfg, tok
 
 
+def add_overwrite_arg(p: argparse.ArgumentParser, what: str = "--out") -> None:
+    """`--force` of a verb that writes `--out` whole: without it an existing output is refused
+    before any work (`ensure_out_file` / `ensure_out_dir`); with it the output is replaced."""
+    p.add_argument("--force", action="store_true",
+                   help=f"overwrite {what} if present (default: refuse, before doing any work)")
+
+
+def refuse_existing(paths, force: bool, flag: str = "--out") -> None:
+    """UsageError naming the first of `paths` that exists, unless `force`: the one check of every
+    verb that would overwrite an output (docs/cli.md)."""
+    if force:
+        return
+    for path in paths:
+        if os.path.lexists(path):
+            raise UsageError(f"{path}: already exists; pass --force to overwrite it, or choose another {flag}")
+
+
+def ensure_out_file(path: str | os.PathLike, force: bool, flag: str = "--out") -> None:
+    """Refuse to overwrite an existing output file unless --force, and a directory always."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory, expected a file; choose another {flag}")
+    refuse_existing([path], force, flag)
+
+
 def ensure_out_dir(path: str | os.PathLike, force: bool) -> None:
     """Refuse to overwrite an existing non-empty output directory unless --force, and a file always."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--out {path}: is a file, expected a directory; choose another --out")
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not force:
-        raise UsageError(f"{path}: already exists; choose another --out or pass --force")
+    if os.path.isdir(path) and os.listdir(path):
+        refuse_existing([path], force)

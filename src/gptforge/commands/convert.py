@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, ensure_out_dir
+from gptforge.commands.common import add_config_args, add_overwrite_arg, ensure_out_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--to", choices=("gptforge", "hf"), default="gptforge", help="output format (default: gptforge)")
     p.add_argument("--tokenizer", metavar="SPEC", help="tokenizer to store with the model (default: the source's, else gpt2)")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    add_overwrite_arg(p)
     add_config_args(p, ckpt=False)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_adapter_arg, add_config_args
+from gptforge.commands.common import add_adapter_arg, add_config_args, add_overwrite_arg
 from gptforge.errors import UsageError
 
 
@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "--output", dest="output", metavar="FILE",
                    help="results JSON (default: Offline_Eval.output, else ./eval_results_<task>.json in the working "
                         "directory; never inside the checkpoint unless given here)")
+    add_overwrite_arg(p, "the results JSON")
     p.add_argument("--emulate-reference-aggregation", action="store_true",
                    help="also report the number the reference's engine would log (batch 0 counted "
                         "logging_freq times, tail dropped); clearly labelled, never the main result")
@@ -43,7 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptforge.commands.common import config_from_args, load_model_and_tokenizer, select_device
+    from gptforge.commands.common import (
+        config_from_args,
+        ensure_out_file,
+        load_model_and_tokenizer,
+        select_device,
+    )
 
     if (args.include_path or args.builtin_tasks or args.limit is not None or args.num_fewshot is not None) \
             and not args.harness:
@@ -53,11 +59,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, require=True)
     if not args.ckpt:
         raise UsageError("give the model to evaluate with --ckpt DIR (ours, an HF GPT-2 directory or a .pdparams)")
-    device = select_device(cfg.Global.device)
+    from gptforge.evaluate.runner import results_path, task_kind
     from gptforge.finetune.classifier import is_classifier_dir
     from gptforge.model_io import resolve_checkpoint_path
 
-    if is_classifier_dir(resolve_checkpoint_path(args.ckpt)) or args.glue_file:
+    glue = bool(is_classifier_dir(resolve_checkpoint_path(args.ckpt)) or args.glue_file)
+    kind = "glue" if glue else "harness" if args.harness else task_kind(cfg)
+    ensure_out_file(results_path(cfg, kind, args.output), args.force)  # before a model or data file is read
+    device = select_device(cfg.Global.device)
+    if glue:
         return _run_glue(args, cfg, device)
     model, cfg, tok = load_model_and_tokenizer(args, cfg, device=device)
     if args.harness:
@@ -73,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_harness(args, cfg, model, tok) -> int:
     from gptforge.evaluate.common import amp_dtype_for, model_context, model_device
     from gptforge.evaluate.harness import run_harness
-    from gptforge.evaluate.runner import default_output
+    from gptforge.evaluate.runner import results_path
 
     if args.emulate_reference_aggregation:
         raise UsageError("--emulate-reference-aggregation applies to LAMBADA/WikiText, not --harness")
@@ -83,7 +93,7 @@ def _run_harness(args, cfg, model, tok) -> int:
     oe = cfg.Offline_Eval
     run_harness(model, tok, args.harness, include_path=args.include_path, batch_size=oe.batch_size,
                 limit=limit, num_fewshot=args.num_fewshot, builtin_tasks=args.builtin_tasks,
-                output=args.output or oe.output or default_output("harness", args.ckpt),
+                output=results_path(cfg, "harness", args.output),
                 max_length=min(oe.max_seq_len or model_context(model), model_context(model)),
                 vocab_size=tok.vocab_size if args.restrict_vocab else None,
                 amp_dtype=amp_dtype_for(cfg, model_device(model)), progress=not args.no_progress)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_overwrite_arg
 from gptforge.errors import UsageError
 
 FORMATS = ("hf", "onnx", "torch", "gguf")
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", dest="merge_adapter", metavar="DIR",
                    help="a LoRA/DoRA adapter directory (PEFT format) to merge into the model before exporting "
                         "(as `gptforge merge`)")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
+    add_overwrite_arg(p)
 
 
 def check_export_extra() -> None:
@@ -82,8 +82,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _validate_gguf(args: argparse.Namespace) -> None:
-    import os
-
+    from gptforge.commands.common import ensure_out_file
     from gptforge.export.gguf import check_gguf_type
 
     args.gguf_type = check_gguf_type(args.gguf_type or "f32")
@@ -97,10 +96,7 @@ def _validate_gguf(args: argparse.Namespace) -> None:
                          "a GGUF file's precision is --gguf-type")
     if not str(args.out).endswith(".gguf"):
         raise UsageError(f"--out {args.out}: a GGUF export is one file; name it FILE.gguf")
-    if os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out}: is a directory, expected a .gguf file; choose another --out")
-    if os.path.exists(args.out) and not args.force:
-        raise UsageError(f"{args.out}: already exists; choose another --out or pass --force")
+    ensure_out_file(args.out, args.force)
 
 
 def run(args: argparse.Namespace) -> int:

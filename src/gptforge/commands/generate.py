@@ -19,8 +19,10 @@ from pathlib import Path
 from gptforge.commands.common import (
     add_adapter_arg,
     add_config_args,
+    add_overwrite_arg,
     add_sampling_args,
     config_from_args,
+    ensure_out_file,
     require_ckpt,
     select_device,
 )
@@ -44,9 +46,16 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
                    help="print tokens as they are generated (default: on when one sequence is asked for)")
     p.add_argument("--out", "--json", dest="json", metavar="FILE", help=(
         "also write prompts, texts, token ids and scores to this JSON file (default: none; the text goes to stdout)"))
+    add_overwrite_arg(p)
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts decoded together (default 8)")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="drop the beginning of prompts too long for the context window (default: error)")
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """`--out FILE`: refused when it exists (unless --force) before prompts or a model are read."""
+    if args.json:
+        ensure_out_file(args.json, args.force)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -117,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     require_ckpt(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    check_output(args)
     prompts = read_prompts(args)
     cfg = config_from_args(args)
     check_config(cfg.Generation)

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gptforge.commands.export import EXTRA_HINT
-    from gptforge.commands.generate import emit, read_prompts, stream_mode
+    from gptforge.commands.generate import check_output, emit, read_prompts, stream_mode
     from gptforge.export.export_dir import load_export_config, read_export_dir
     from gptforge.generate import check_config
 
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.flag_device not in (None, "auto", "cpu"):
         raise UsageError(f"--device {args.flag_device}: gptforge infer runs onnxruntime on the CPU; use auto or cpu "
                          "(or gptforge generate --ckpt MODEL_DIR --device ... for the PyTorch model)")
+    check_output(args)
     prompts = read_prompts(args)
     try:
         import onnxruntime  # noqa: F401

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_overwrite_arg
 from gptforge.errors import CheckpointError, UsageError
 
 RECORD_FILE = "merged_adapters.json"
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "atomically)")
     p.add_argument("--format", default="model", choices=FORMATS,
                    help="model (default): our model directory; hf: a transformers GPT-2 directory")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
+    add_overwrite_arg(p)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_overwrite_arg
 from gptforge.errors import UsageError
 
 
@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="the built-in corpus: this Python's standard library (docstrings, help topics, source)")
     p.add_argument("--out", "--output-prefix", "--output_prefix", dest="output_prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX_ids.npy + PREFIX_idx.npz (+ PREFIX_meta.json)")
+    add_overwrite_arg(p, "the files of a finished PREFIX")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="gpt2 | a tokenizer directory or tokenizer.json | a model directory "
                         "(default: Data.tokenizer from -c/-o, else gpt2)")
@@ -35,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptforge.data.preprocess import preprocess_documents, preprocess_files
+    from gptforge.commands.common import refuse_existing
+    from gptforge.data.preprocess import finished_marker, preprocess_documents, preprocess_files
     from gptforge.data.tokenizer import load_tokenizer
 
     if not args.input and not args.builtin:
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers {args.workers}: must be >= 1")
     if args.min_doc_length < 0:
         raise UsageError(f"--min-doc-length {args.min_doc_length}: must be >= 0")
+    refuse_existing([finished_marker(args.output_prefix)], args.force)  # before the tokenizer loads or a byte is read
     spec = args.tokenizer
     if spec is None and (args.config or args.override):
         from gptforge.commands.common import config_from_args

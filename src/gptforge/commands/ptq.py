@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args, config_from_args
+from gptforge.commands.common import add_config_args, add_overwrite_arg, config_from_args
 from gptforge.errors import UsageError
 
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                   "are used, so -c is optional"))
     p.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     p.add_argument("--calib-batches", type=int, metavar="N", help="= -o Compress.Quantization.calib_batches=N")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
+    add_overwrite_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptforge.commands.common import add_config_args
+from gptforge.commands.common import add_config_args, add_overwrite_arg
 from gptforge.errors import UsageError
 
 
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the model's max_position_embeddings)")
     w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01)")
     w.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
+    add_overwrite_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gptforge.commands.common import add_overwrite_arg
 from gptforge.errors import UsageError
 
 
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--json-key", default="text", metavar="KEY", help="jsonl field holding the text")
     t.add_argument("--min-doc-length", type=int, default=10, metavar="N", help="skip documents of <= N characters")
     t.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, vocab.json, merges.txt")
-    t.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    add_overwrite_arg(t)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = sub.add_parser("show", help="vocabulary size, EOS id, fingerprint and an example")
     _source_args(s)

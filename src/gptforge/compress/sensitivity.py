@@ -268,14 +268,14 @@ def read_state(path: Path, fingerprint: dict) -> dict | None:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
-        raise UsageError(f"{path}: unreadable analysis state ({e}); delete it or pass --no-resume") from None
+        raise UsageError(f"{path}: unreadable analysis state ({e}); delete it or pass --force to start over") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise UsageError(f"{path}: not a gptforge analysis state file; choose another --out or pass --no-resume")
+        raise UsageError(f"{path}: not a gptforge analysis state file; pass --force to replace it, or choose another --out")
     old = state.get("fingerprint") or {}
     diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
     if diff:
         raise UsageError(f"{path}: holds an analysis of other inputs (differs in: {', '.join(diff)}); "
-                         "pass --no-resume to start over or choose another --out")
+                         "pass --force to start over, or choose another --out")
     return state
 
 

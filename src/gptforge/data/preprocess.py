@@ -252,6 +252,13 @@ def _output_prefix(output_prefix: str | os.PathLike) -> Path:
     return Path(text)
 
 
+def finished_marker(output_prefix: str | os.PathLike) -> Path:
+    """`<prefix>_idx.npz`: renamed last, so it exists exactly when a finished run's files are there.
+    What a killed run published before it (`_ids.npy`, `_meta.json`) is not an output to protect:
+    running again completes the set."""
+    return Path(str(_output_prefix(output_prefix)) + IDX_SUFFIX)
+
+
 def default_workers(total_bytes: int | None) -> int:
     """All cores for big inputs; in-process below 4 MB, where starting workers costs more."""
     if total_bytes is not None and total_bytes < 4 * CHUNK_BYTES:

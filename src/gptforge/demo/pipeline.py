@@ -295,7 +295,9 @@ def _run_stages(d: Demo) -> dict:
         from gptforge.data.tokenizer import load_tokenizer
         from gptforge.demo.heldout import write_heldout, xz_bits_per_byte
 
-        d.cli("preprocess", "--builtin", "--tokenizer", p.tokenizer, "--output-prefix", p.prefix, "--no-progress")
+        # --force on the demo's own outputs: a stage that runs again (it stopped half-way) redoes them
+        d.cli("preprocess", "--builtin", "--tokenizer", p.tokenizer, "--output-prefix", p.prefix, "--force",
+              "--no-progress")
         tf = load_token_files(p.prefix)
         tok = load_tokenizer(str(p.tokenizer))
         h = write_heldout(p.prefix, tok, SPLIT, p.data, max_chars=12_000 if s.quick else 40_000,
@@ -345,7 +347,7 @@ def _run_stages(d: Demo) -> dict:
     def generate():
         d.cli("generate", "--ckpt", FLOAT, "--prompt-file", p.prompts, "-o", "Generation.decode_strategy=sampling",
               "-o", "Generation.top_k=40", "-o", "Generation.temperature=0.8", "-o", "Generation.max_dec_len=48",
-              "-o", "Generation.seed=1", "--json", p.samples, "--no-stream")
+              "-o", "Generation.seed=1", "--json", p.samples, "--force", "--no-stream")
         doc = json.loads(p.samples.read_text())
         return {"samples": [{"prompt": r.get("prompt"), "text": r.get("text")} for r in _sample_rows(doc)]}
 
@@ -449,7 +451,7 @@ def _run_stages(d: Demo) -> dict:
         sh = s.shape
         res = {}
         for row, path in models.items():
-            common = ["-o", f"Offline_Eval.max_seq_len={sh.seq}", "-o", "Offline_Eval.batch_size=16", "--no-progress"]
+            common = ["-o", f"Offline_Eval.max_seq_len={sh.seq}", "-o", "Offline_Eval.batch_size=16", "--force", "--no-progress"]
             d.cli("eval", "--ckpt", path, "-o", f"Offline_Eval.eval_path={p.heldout}", "-o", "Offline_Eval.cloze_eval=False",
                   "-o", f"Offline_Eval.overlapping_eval={sh.seq // 2}", "-o", "Offline_Eval.detokenize=False", *common, "--output", p.evals / f"{row}_ppl.json")
             d.cli("eval", "--ckpt", path, "-o", f"Offline_Eval.eval_path={p.cloze}", "-o", "Offline_Eval.cloze_eval=True",

@@ -14,7 +14,7 @@ import time
 
 from gptforge.errors import ConfigError
 from gptforge.evaluate.common import write_json_atomic
-from gptforge.evaluate.runner import default_output, model_identity, tokenizer_identity
+from gptforge.evaluate.runner import model_identity, results_path, tokenizer_identity
 
 
 def run_glue_eval(cfg, clf, tokenizer, task_name: str | None, *, file: str | os.PathLike | None = None,
@@ -61,7 +61,7 @@ def run_glue_eval(cfg, clf, tokenizer, task_name: str | None, *, file: str | os.
     doc = {"task": task.name, "metric": metric, "results": results, "max_length": max_length,
            "model": model_identity(clf, cfg, ckpt), "tokenizer": tokenizer_identity(tokenizer),
            "seconds": round(time.perf_counter() - t0, 3)}
-    path = output or cfg.Offline_Eval.output or default_output("glue", ckpt)
+    path = results_path(cfg, "glue", output)
     write_json_atomic(path, doc)
     if echo:
         print(f"results: {path}")

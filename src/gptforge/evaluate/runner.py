@@ -22,6 +22,18 @@ def default_output(kind: str, ckpt: str | os.PathLike | None = None) -> Path:
     return Path.cwd() / f"eval_results_{kind}.json"
 
 
+def results_path(cfg, kind: str, output: str | os.PathLike | None = None) -> Path:
+    """Where the results JSON of `kind` (lambada, wikitext, glue, harness) goes: `output`, else
+    `Offline_Eval.output`, else `default_output(kind)`; known before the evaluation starts, so
+    `gptforge eval` can refuse to overwrite it first."""
+    return Path(output or cfg.Offline_Eval.output or default_output(kind))
+
+
+def task_kind(cfg) -> str:
+    """The task `run_eval` runs for `cfg`: lambada (Offline_Eval.cloze_eval) or wikitext."""
+    return "lambada" if cfg.Offline_Eval.cloze_eval else "wikitext"
+
+
 def model_identity(model: torch.nn.Module, cfg, ckpt=None) -> dict:
     """What was evaluated: class, size, shape keys, checkpoint, dtype, device."""
     m = cfg.Model
@@ -78,7 +90,7 @@ def run_eval(cfg, model: torch.nn.Module, tokenizer, *, output: str | os.PathLik
                      "amp_dtype": str(common["amp_dtype"]).replace("torch.", "") if common["amp_dtype"] else None}
     res["model"] = model_identity(model, cfg, ckpt)
     res["tokenizer"] = tokenizer_identity(tokenizer)
-    out = Path(output or oe.output or default_output(res["task"], ckpt))
+    out = results_path(cfg, res["task"], output)
     res["output"] = str(out)
     write_json_atomic(out, res)
     if echo:
