@@ -91,6 +91,8 @@ class Sampler:
             if s0.processors or s0.warpers:
                 hist = torch.tensor([rows[r][0].tokens + list(rows[r][1]) for r in idx], dtype=torch.long,
                                     device=logits.device)
+            if scores is logits and s0.warpers is None:
+                continue  # one greedy group without processors: the scores are the logits (no copy)
             sel = torch.tensor(idx, dtype=torch.long, device=logits.device)
             part = logits.index_select(0, sel) if len(idx) != logits.shape[0] else logits.clone()
             part = s0.processors(hist, part) if s0.processors else part
