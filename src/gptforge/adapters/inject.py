@@ -40,12 +40,7 @@ from gptforge.transforms.quant import QuantLinear, install_head
 
 BLOCK_TARGETS = {"qkv": "attn.qkv_proj", "out_proj": "attn.out_proj", "linear1": "linear1", "linear2": "linear2"}
 TARGETS = (*QKV_SLICES, *BLOCK_TARGETS, "head", "all")
-_BASES = (nn.Linear, QuantLinear, Int8Linear)
-
-
-def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+WRAPPABLE = (nn.Linear, QuantLinear, Int8Linear)
 
 
 def validate(cfg: LoraConfig, num_layers: int, key: str = "lora") -> tuple[set[str], list[int]]:
@@ -81,12 +76,12 @@ def _wrapper(model: nn.Module, name: str, key: str) -> LoraLinear:
     mod = model.get_submodule(name)
     if isinstance(mod, LoraLinear):
         return mod
-    if not isinstance(mod, _BASES) or (isinstance(mod, nn.Linear) and type(mod) not in (nn.Linear, QuantLinear)):
+    if not isinstance(mod, WRAPPABLE) or (isinstance(mod, nn.Linear) and type(mod) not in (nn.Linear, QuantLinear)):
         raise ConfigError(f"{key}.targets: {name} is a {type(mod).__name__}; adapters go on plain, fake-quant "
                           "(QAT/PTQ) or INT8 Linears")
     head_dim = model.get_submodule(name.rpartition(".")[0]).head_dim if name.endswith("qkv_proj") else None
     wrapped = LoraLinear(mod, head_dim).train(mod.training)
-    _set(model, name, wrapped)
+    model.set_submodule(name, wrapped)
     return wrapped
 
 
@@ -259,7 +254,7 @@ def unload(model: nn.Module, merge: bool = True) -> nn.Module:
     if merge:
         merge_adapters(model)
     for name, mod in lora_layers(model).items():
-        _set(model, name, mod.base)
+        model.set_submodule(name, mod.base)
     if isinstance(model.wte, LoraHead):
         model.wte = model.wte.base
         if not hasattr(model.wte, "project"):

@@ -175,7 +175,20 @@ def apply_pairs(pairs: nn.ModuleDict, head_dim: int | None, x: torch.Tensor, y: 
     return torch.stack(parts, dim=-2).reshape(y.shape)
 
 
-class LoraLinear(nn.Module):
+class WrappedLinear(nn.Module):
+    """A module around a Linear `base` that reads as that Linear's shape (what swaps, exports
+    and shape checks ask of a block Linear)."""
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+
+class LoraLinear(WrappedLinear):
     """A block Linear (`base`) plus LoRA/DoRA pairs: `full`, or `q`/`k`/`v` slices of a fused QKV."""
 
     def __init__(self, base: nn.Module, head_dim: int | None = None):
@@ -200,14 +213,6 @@ class LoraLinear(nn.Module):
         super().train(mode)
         self.base.train(False)
         return self
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     def slice_rows(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """The rows of slice `name` from a [out, ...] tensor of this layer (all rows for `full`)."""

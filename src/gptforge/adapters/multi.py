@@ -29,8 +29,15 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from gptforge.adapters.inject import _BASES, _set
-from gptforge.adapters.layers import FULL, LoraPair, apply_pairs, base_forward, effective_weight
+from gptforge.adapters.inject import WRAPPABLE
+from gptforge.adapters.layers import (
+    FULL,
+    LoraPair,
+    WrappedLinear,
+    apply_pairs,
+    base_forward,
+    effective_weight,
+)
 from gptforge.adapters.peft_format import HEAD, read_pairs
 from gptforge.errors import UsageError
 
@@ -60,7 +67,7 @@ class AdapterRouter:
             self.groups = []
 
 
-class MultiLoraLinear(nn.Module):
+class MultiLoraLinear(WrappedLinear):
     """A block Linear (`base`) with the pairs of several adapters (`variants[str(index)]`:
     `full`, or q/k/v slices of a fused QKV), applied to the rows the router gives each."""
 
@@ -70,14 +77,6 @@ class MultiLoraLinear(nn.Module):
         self.head_dim = head_dim
         self.variants = nn.ModuleDict()
         self.__dict__["router"] = router  # shared, not a submodule
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     def add(self, index: int, name: str, pair: LoraPair) -> None:
         """Put `pair` (over slice `name`) into adapter `index`'s pairs."""
@@ -118,12 +117,12 @@ def _wrapper(model: nn.Module, path: str, router: AdapterRouter) -> MultiLoraLin
     mod = model.get_submodule(path)
     if isinstance(mod, MultiLoraLinear):
         return mod
-    if not isinstance(mod, _BASES):
+    if not isinstance(mod, WRAPPABLE):
         raise UsageError(f"{path} is a {type(mod).__name__}; served adapters go on plain, fake-quant or INT8 Linears "
                          "(a model with adapters merged in or attached cannot take more)")
     head_dim = model.get_submodule(path.rpartition(".")[0]).head_dim if path.endswith("qkv_proj") else None
     wrapped = MultiLoraLinear(mod, router, head_dim)
-    _set(model, path, wrapped)
+    model.set_submodule(path, wrapped)
     return wrapped
 
 

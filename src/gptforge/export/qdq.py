@@ -163,11 +163,6 @@ class QDQLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
-
-
 @torch.no_grad()
 def to_qdq(model: nn.Module, dtype: str = "uint8") -> nn.Module:
     """A copy of a fake-quant (QAT/PTQ) or converted INT8 model with QDQ modules in place of
@@ -182,7 +177,7 @@ def to_qdq(model: nn.Module, dtype: str = "uint8") -> nn.Module:
         convert_model(m)  # the exact integers and steps, checked and shared with `quantize --convert`
     for name, mod in list(m.named_modules()):
         if isinstance(mod, Int8Linear):
-            _set(m, name, QDQLinear(mod, dtype))
+            m.set_submodule(name, QDQLinear(mod, dtype))
     if isinstance(m.wte, Int8Embedding):
         # Stored dequantized (the same values): onnxruntime does not fold DequantizeLinear of an
         # initializer, so an int8 table would be dequantized whole at every step for the head,

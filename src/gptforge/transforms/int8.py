@@ -253,11 +253,6 @@ def _install_int8_embedding(model: nn.Module, emb: Int8Embedding) -> None:
 # ----------------------------------------------------------------------- conversion
 
 
-def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
-
-
 @torch.no_grad()
 def convert_model(model: nn.Module, int8_embedding: bool | None = None) -> list[str]:
     """Swap a fake-quant model's layers for INT8 ones in place (eval-mode numerics are kept).
@@ -277,11 +272,11 @@ def convert_model(model: nn.Module, int8_embedding: bool | None = None) -> list[
     floats = []
     for name, mod in mods.items():
         if mod.weight_quant_enabled and mod.act_quant_enabled:
-            _set(model, name, Int8Linear.from_quant(mod))
+            model.set_submodule(name, Int8Linear.from_quant(mod))
         elif not mod.weight_quant_enabled and not mod.act_quant_enabled:
             lin = nn.Linear(mod.in_features, mod.out_features, mod.bias is not None, device="meta")
             lin.weight, lin.bias = mod.weight, mod.bias
-            _set(model, name, lin)
+            model.set_submodule(name, lin)
             floats.append(name)
         else:
             raise ConfigError(f"{name}: only one of weight/activation quantization is switched off; "
@@ -312,7 +307,7 @@ def int8_structure(model: nn.Module, qcfg: QuantizationConfig) -> nn.Module:
     dev = model.wte.weight.device
     for name in selected_layers(model, qcfg):
         lin = model.get_submodule(name)
-        _set(model, name, Int8Linear(
+        model.set_submodule(name, Int8Linear(
             lin.in_features, lin.out_features, bias=lin.bias is not None,
             channel_wise=qcfg.weight_quantize_type == "channel_wise_abs_max",
             static_act=qcfg.activation_quantize_type == "moving_average_abs_max",

@@ -345,11 +345,6 @@ def _get(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name)
 
 
-def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
-
-
 def refuse_moe(model: nn.Module, what: str) -> None:
     """Compression handles dense FFNs only: an MoE model stops in one line (docs/moe.md)."""
     from gptforge.model.moe import moe_layers
@@ -377,7 +372,7 @@ def quantize_model(model: nn.Module, qcfg: QuantizationConfig) -> nn.Module:
         lin = _get(model, name)
         if type(lin) is not nn.Linear:
             raise TypeError(f"{name}: expected nn.Linear, found {type(lin).__name__}")
-        _set(model, name, QuantLinear.from_linear(lin, qcfg))
+        model.set_submodule(name, QuantLinear.from_linear(lin, qcfg))
     if qcfg.quantize_embedding:
         model.wte = QuantEmbedding.from_embedding(model.wte, 8)
         install_head(model)

@@ -286,11 +286,6 @@ class WeightOnlyEmbedding(WeightOnlyLinear):
 # ----------------------------------------------------------------------- whole models
 
 
-def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
-
-
 def check_shapes(model: nn.Module, spec: WeightOnlySpec) -> None:
     """ConfigError naming the layer whose input columns the group size does not divide."""
     from gptforge.errors import ConfigError
@@ -322,7 +317,7 @@ def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
     dev = model.wte.weight.device
     for name, lin in block_linears(model):
         bits = spec.bits_for(name)
-        _set(model, name, WeightOnlyLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+        model.set_submodule(name, WeightOnlyLinear(lin.in_features, lin.out_features, bias=lin.bias is not None,
                                            bits=bits, group_size=spec.group_size, sym=spec.sym,
                                            act_scale=spec.method == "awq" and bits < 16, device=dev))
     if spec.bits_for("wte") < 32:
@@ -350,7 +345,7 @@ def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=
         install_embedding(model, new)
         return
     lin = model.get_submodule(name)
-    _set(model, name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, bits, spec.group_size,
+    model.set_submodule(name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, bits, spec.group_size,
                                                   spec.sym, quantized, act_scale))
 
 
