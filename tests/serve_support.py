@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from gf_testutil import spread_gpt2_vocab_dir
 
 
@@ -71,3 +73,24 @@ def throttled(state, seconds: float):
         yield
     finally:
         slots.step = inner
+
+
+def model_fixtures(name: str):
+    """The module-scoped `ckpt` (a tiny model directory), `model` (loaded) and `tok` fixtures the
+    serve test modules share: `ckpt, model, tok = model_fixtures("serve")`."""
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.model_io import load_model
+
+    @pytest.fixture(scope="module")
+    def ckpt(tmp_path_factory):
+        return make_ckpt(tmp_path_factory.mktemp(name) / "model")
+
+    @pytest.fixture(scope="module")
+    def model(ckpt):
+        return load_model(ckpt)
+
+    @pytest.fixture(scope="module")
+    def tok():
+        return gpt2_tokenizer()
+
+    return ckpt, model, tok

@@ -23,28 +23,14 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from gptforge.config.schema import GenerationConfig  # noqa: E402
-from gptforge.data.tokenizer import gpt2_tokenizer  # noqa: E402
 from gptforge.generate import generate  # noqa: E402
-from gptforge.model_io import load_model  # noqa: E402
 from serve_faults_support import KEY, POISON, Proc, poisoned_sampling, storm, upload, wait_idle  # noqa: E402
-from serve_support import make_ckpt, serving, throttled  # noqa: E402
+from serve_support import model_fixtures, serving, throttled  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_ckpt(tmp_path_factory.mktemp("faults") / "model")
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return load_model(ckpt)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return gpt2_tokenizer()
+ckpt, model, tok = model_fixtures("faults")
 
 
 def solo(model, tok, prompt, max_tokens):

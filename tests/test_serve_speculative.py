@@ -21,12 +21,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from gptforge.config.schema import GenerationConfig  # noqa: E402
-from gptforge.data.tokenizer import gpt2_tokenizer  # noqa: E402
 from gptforge.errors import ConfigError  # noqa: E402
 from gptforge.generate import generate  # noqa: E402
 from gptforge.generate.backend import TorchBackend  # noqa: E402
 from gptforge.model_io import load_model  # noqa: E402
-from serve_support import make_ckpt, serving, throttled  # noqa: E402
+from serve_support import model_fixtures, serving, throttled  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,19 +34,7 @@ PROMPTS = [" ".join(WORDS[: 1 + (i * 5) % len(WORDS)]) * (1 + i % 3) for i in ra
 LENGTHS = [3 + (i * 7) % 18 for i in range(8)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_ckpt(tmp_path_factory.mktemp("serve_spec") / "model")
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return load_model(ckpt)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return gpt2_tokenizer()
+ckpt, model, tok = model_fixtures("serve_spec")
 
 
 @pytest.fixture(scope="module")
