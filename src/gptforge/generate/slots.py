@@ -100,29 +100,17 @@ class RaggedBatch:
 
     def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
         """Store each sequence's new keys/values in its slot and attend over that slot only (a
-        later segment of the same slot sees the keys an earlier one just wrote). A decode token
-        attends on the calling thread alone: one small attention call per sequence costs a thread
-        fork/join per call on all threads, which made batch-8 steps slower than one padded call,
-        and its result is the same on any thread count (prompt chunks keep every thread)."""
+        later segment of the same slot sees the keys an earlier one just wrote)."""
         outs, o = [], 0
-        threads = now = torch.get_num_threads()
-        try:
-            for s in self.segments:
-                n, start, slot = len(s.token_ids), s.start, s.slot
-                end = start + n
-                slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
-                keys, values = slot.read(layer, end, q.dtype)
-                # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
-                mask, causal = GPT.attention_mask(n, start, None, q.device)
-                want = 1 if n == 1 else threads
-                if want != now:
-                    torch.set_num_threads(want)
-                    now = want
-                outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))
-                o += n
-        finally:
-            if now != threads:
-                torch.set_num_threads(threads)
+        for s in self.segments:
+            n, start, slot = len(s.token_ids), s.start, s.slot
+            end = start + n
+            slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
+            keys, values = slot.read(layer, end, q.dtype)
+            # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
+            mask, causal = GPT.attention_mask(n, start, None, q.device)
+            outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))
+            o += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def commit(self) -> None:
