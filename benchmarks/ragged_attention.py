@@ -1,6 +1,6 @@
 """The attention part of one continuous-batching decode step, in one process: the engine's
 per-sequence attention before this change (`generate/slots.py` at a git revision, one SDPA call
-per sequence and layer on all threads) vs now (a decode token on one thread) vs the batched left-padded cache of the decoder before
+per sequence and layer on all threads) vs the current one vs the batched left-padded cache of the decoder before
 the engine (`KVCache` + one SDPA per layer: fastest, but not batch-invariant). GPT-2 124M
 attention shape (12 layers, 12 heads of 64), one new token per sequence; every variant runs
 once per round, rounds interleaved; min and median of the rounds are printed. (Each ragged form is batch-invariant by construction: every sequence attends alone.)
