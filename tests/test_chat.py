@@ -273,8 +273,17 @@ def test_terminal_ctrl_c_stops_the_answer_not_the_program(tmp_path):
         t.type("Go on\n")
         done = t.expect(r"Go on\n.*?\[prompt (\d+) tokens, answer 200 tokens.*?length\]")
         t.expect(PROMPT)
-        t.type("\x03")  # Ctrl-C at the prompt leaves
-        t.expect(r"interrupted at the prompt; bye")
+        # Ctrl-C at the prompt leaves. A keystroke that lands while readline switches the
+        # terminal into its mode can be discarded by that switch (seen once under load: no ^C
+        # echoed, nothing received), as in any readline program; a user presses again.
+        for attempt in range(3):
+            t.type("\x03")
+            try:
+                t.expect(r"interrupted at the prompt; bye", timeout=20 if attempt < 2 else 300)
+                break
+            except AssertionError:
+                if attempt == 2:
+                    raise
     assert t.code == 0
     s = session(load_model(tmp_path / "m")[0], ChatTemplate(PLAIN), 200)
     full = s.reply("Tell me a story", lambda _: None).text
