@@ -37,6 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+from qat_quality import cpu_flags, cpu_name  # noqa: E402  (benchmarks/ is on sys.path)
+
 RUNS = ("lora", "peft", "full", "lora-int8", "packed", "padded", "peft-padded")
 PEFT_TARGETS = ["c_attn", "c_proj", "c_fc"]  # c_proj: both attn.c_proj and mlp.c_proj
 LR, WD, CLIP = 1e-4, 0.01, 1.0
@@ -257,29 +260,9 @@ def spawn(root: Path, run: str, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return ""
-
-
 def report(results: dict[str, list[dict]], args, loads: list[float]) -> dict:
     mb = 1 / 1024
-    print(f"\n{cpu_model()} ({cpu_flags()}), {os.cpu_count()} cores, {args.threads} thread(s); load average "
+    print(f"\n{cpu_name()} ({cpu_flags()}), {os.cpu_count()} cores, {args.threads} thread(s); load average "
           f"{loads[0]:.1f} before, {loads[1]:.1f} after; batch {args.batch} x {args.seq}, {args.steps} timed steps "
           f"after {args.warmup} warm-up per run, {args.rounds} round(s)")
     print(f"{'run':>10} | tokens/s median (min-max over rounds) | tokens per CPU s | peak RSS load MB | "

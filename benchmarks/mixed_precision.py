@@ -28,19 +28,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from lowbit_quality import cli, heldout_text, score, train  # noqa: E402  (benchmarks/ is on sys.path)
-from qat_quality import cpu_name, tokenizer  # noqa: E402
+from qat_quality import cpu_flags, cpu_name, tokenizer  # noqa: E402
 
 G64 = ["--weights", "int4", "--group-size", "64"]
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return "unknown"
 
 
 def variants(default_bytes: int | None, sens: Path) -> dict[str, list[str] | None]:

@@ -56,6 +56,16 @@ def cpu_name() -> str:
     return "unknown"
 
 
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return "unknown"
+
+
 def tokenizer(work: Path):
     from gptforge.data.corpus import builtin_documents
     from gptforge.data.tokenizer import load_tokenizer, train_tokenizer
