@@ -13,6 +13,7 @@ import argparse
 
 from gptforge.commands.common import (
     add_adapter_arg,
+    add_chat_template_arg,
     add_config_args,
     add_sampling_args,
     config_from_args,
@@ -28,9 +29,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     add_adapter_arg(p)
-    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (.jinja, or a tokenizer_config.json "
-                   "with chat_template) instead of the model's own (default: the one saved with the adapter or "
-                   "model, else gptforge's default; docs/sft.md)")
+    add_chat_template_arg(p)
     p.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation (kept when old "
                    "turns are dropped to fit the context)")
     p.add_argument("--verbose", action="store_true",

@@ -126,6 +126,13 @@ def add_adapter_arg(p: argparse.ArgumentParser) -> None:
                    "applied over --ckpt (docs/lora.md)")
 
 
+def add_chat_template_arg(p) -> None:
+    """`--chat-template FILE` of the verbs that render conversations (chat, generate --chat)."""
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (.jinja, or a tokenizer_config.json "
+                   "with chat_template) instead of the model's own (default: the one saved with the adapter or "
+                   "model, else gptforge's default; docs/sft.md)")
+
+
 def load_model_and_tokenizer(args: argparse.Namespace, cfg: Config, device=None):
     """(model in eval mode, config with the checkpoint's shape, tokenizer) for `--ckpt`, with
     `--adapter DIR` (when the verb has it) applied."""

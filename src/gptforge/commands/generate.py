@@ -2,9 +2,12 @@
 
     gptforge generate --ckpt DIR --prompt "Hello" [--prompt "..."] [--max-new-tokens 50 --top-k 50]
     gptforge generate -c generation_gpt_345M_single_card --ckpt DIR --prompt-file F --json out.json
+    gptforge generate --ckpt DIR [--adapter DIR] --chat --prompt "Hi" [--system TEXT] [--messages F.jsonl]
 
 A single sequence is printed token by token as it is generated; several prompts are decoded in
-left-padded batches and printed when done. `--json` also writes token ids and scores.
+left-padded batches and printed when done. `--json` also writes token ids and scores. With
+`--chat` (or `--messages`) each prompt is a conversation rendered by the chat template that
+`gptforge chat` and serve's /v1/chat/completions use, and only the answer is printed.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from gptforge.commands.common import (
     add_adapter_arg,
+    add_chat_template_arg,
     add_config_args,
     add_overwrite_arg,
     add_sampling_args,
@@ -34,7 +39,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     add_adapter_arg(p)
     add_prompt_arguments(p)
+    add_chat_arguments(p)
     add_sampling_args(p)
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """`--chat`, `--messages`, `--system`, `--chat-template` (docs/generate.md#chat)."""
+    g = p.add_argument_group("chat (the template of `gptforge chat` and serve's /v1/chat/completions)")
+    g.add_argument("--chat", action="store_true", help="each --prompt (or --prompt-file line) is a user message: the "
+                   "chat template renders it with its generation prompt, the answer ends at EOS or the template's "
+                   "stop strings, and only the answer is printed")
+    g.add_argument("--messages", metavar="FILE", help='JSON Lines (or a JSON array) of {"messages": [{"role": ..., '
+                   '"content": ...}, ...]} conversations, each answered (implies --chat)')
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system message opening each conversation that "
+                   "has none")
+    add_chat_template_arg(g)
 
 
 def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +102,40 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def read_chat(args: argparse.Namespace) -> list[tuple[str, list[dict]]] | None:
+    """(where, messages) of each conversation of `--chat` (one user turn per prompt) and
+    `--messages FILE`, with `--system` prepended where there is none; None without --chat."""
+    from gptforge.data.instructions import read_conversations
+
+    if not (args.chat or args.messages):
+        for flag, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+            if value:
+                raise UsageError(f"{flag} needs --chat (or --messages FILE): plain prompts use no chat template")
+        return None
+    convs = []
+    if args.prompt or args.prompt_file:
+        convs += [(f"prompt {i}", [{"role": "user", "content": p}]) for i, p in enumerate(read_prompts(args), 1)]
+    if args.messages:
+        convs += read_conversations(check_path_kind(args.messages, "file", "--messages"))
+    if not convs:
+        raise UsageError("--chat: give a user message with --prompt TEXT or --prompt-file FILE, or conversations "
+                         "with --messages FILE")
+    if args.system:
+        convs = [(w, m if m[0]["role"] == "system" else [{"role": "system", "content": args.system}, *m])
+                 for w, m in convs]
+    return convs
+
+
+def check_chat(args: argparse.Namespace, g) -> None:
+    """What --chat cannot do, refused before the model loads."""
+    if g.decode_strategy == "beam_search":
+        raise UsageError("--chat: an answer ends at the chat template's stop strings, which beam search cannot apply; "
+                         "use -o Generation.decode_strategy=greedy_search (or sampling)")
+    if args.truncate_prompt:
+        raise UsageError("--truncate-prompt would cut a conversation's first tokens (its system message); with --chat "
+                         "shorten the conversation or lower --max-new-tokens")
+
+
 def _write_json(path: str, payload: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,13 +149,14 @@ def _write_json(path: str, payload: dict) -> None:
         raise
 
 
-def _payload(cfg, results) -> dict:
+def _payload(cfg, results, chat=None) -> dict:
     import dataclasses
 
     items = []
     for res in results:
         for i, prompt in enumerate(res.prompts):
-            items.append({"prompt": prompt, "prompt_tokens": res.prompt_tokens[i], "completions": [
+            conv = {"messages": chat.conversations[len(items)]} if chat is not None else {}
+            items.append({**conv, "prompt": prompt, "prompt_tokens": res.prompt_tokens[i], "completions": [
                 {"text": t, "token_ids": ids, "score": s, "finish_reason": r}
                 for t, ids, s, r in zip(res.texts[i], res.token_ids[i], res.scores[i], res.finish_reasons[i],
                                         strict=True)]})
@@ -120,34 +174,55 @@ def stream_mode(args: argparse.Namespace, g, prompts: list[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gptforge.data.chat_template import template_for
     from gptforge.generate import check_config
+    from gptforge.generate.api import chat_prompts
     from gptforge.generate.loader import load_draft, load_runnable
 
     require_ckpt(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size: must be >= 1, got {args.batch_size}")
     check_output(args)
-    prompts = read_prompts(args)
+    convs = read_chat(args)
+    prompts = read_prompts(args) if convs is None else [w for w, _ in convs]
     cfg = config_from_args(args)
     check_config(cfg.Generation)
+    if convs is not None:
+        check_chat(args, cfg.Generation)
+    # A bad --chat-template fails before the model loads.
+    template = template_for(None, args.chat_template) if convs is not None and args.chat_template else None
     do_stream = stream_mode(args, cfg.Generation, prompts)
     device = select_device(cfg.Global.device)
-    model, cfg, tok = load_runnable(args.ckpt, cfg, device=device, adapter=getattr(args, "adapter", None))
+    model, cfg, tok = load_runnable(args.ckpt, cfg, device=device, adapter=args.adapter)
+    chat = None
+    if convs is not None:  # the template the model was tuned with: --chat-template > adapter's > model's > default
+        chat = ChatInput(template or template_for(tok, adapter=args.adapter), [m for _, m in convs])
+        prompts = chat_prompts(chat.template, chat.conversations, [w for w, _ in convs])
     draft = (load_draft(cfg.Generation.draft, tokenizer=tok, target_name=args.ckpt, device=device)
              if cfg.Generation.draft else None)
-    return emit(model, tok, prompts, cfg, args, do_stream, "generate", draft=draft)
+    return emit(model, tok, prompts, cfg, args, do_stream, "generate", draft=draft, chat=chat)
+
+
+@dataclass
+class ChatInput:
+    """`--chat`: the conversations and the template whose rendering of them are the prompts."""
+
+    template: object  # data.chat_template.ChatTemplate
+    conversations: list[list[dict]]
 
 
 def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, verb: str,
-         draft=None) -> int:
+         draft=None, chat: ChatInput | None = None) -> int:
     """Generate with `model` (our GPT or a StepBackend) and print as `gptforge generate` does
     (shared with `gptforge infer`). With a draft, the speculative decoding figures (rounds,
-    drafted and accepted tokens, acceptance rate) go to stderr and the JSON."""
+    drafted and accepted tokens, acceptance rate) go to stderr and the JSON. With `chat`, the
+    prompts are its conversations rendered: answers stop at the template's stop strings and are
+    printed alone."""
     from gptforge.generate.spec_stats import collect_stats
     from gptforge.progress import info
 
     with collect_stats() as spec:
-        results = _decode(model, tok, prompts, cfg, args, do_stream, draft)
+        results = _decode(model, tok, prompts, cfg, args, do_stream, draft, chat)
     new = sum(r.new_tokens for r in results)
     secs = sum(r.seconds for r in results)
     info(f"gptforge {verb}: {len(prompts)} prompt(s), {new} new tokens in {secs:.2f} s "
@@ -157,37 +232,43 @@ def emit(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_strea
         info(f"gptforge {verb}: speculative decoding: acceptance rate {100 * s.acceptance_rate:.1f}% "
              f"({s.accepted} of {s.drafted} drafted tokens accepted in {s.rounds} rounds)")
     if args.json:
-        payload = _payload(cfg, results)
+        payload = _payload(cfg, results, chat)
         payload["speculative"] = s.as_dict() if s is not None else None
         _write_json(args.json, payload)
         print(f"gptforge {verb}: wrote {args.json}", file=sys.stderr)
     return 0
 
 
-def _decode(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, draft) -> list:
-    """Generate and print the texts; returns the `GenerationResult`s."""
+def _decode(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_stream: bool, draft,
+            chat: ChatInput | None = None) -> list:
+    """Generate and print the texts (a chat's answers without their prompt or surrounding
+    whitespace, as `gptforge chat` shows them); returns the `GenerationResult`s."""
     from gptforge.generate import generate, stream
 
     g = cfg.Generation
+    stop = chat.template.stop if chat is not None else ()
     results = []
     if do_stream:
         for prompt in prompts:
-            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt, draft=draft)
-            sys.stdout.write(prompt)
+            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt, draft=draft, stop=stop)
+            shown = chat is None
+            sys.stdout.write(prompt if shown else "")
             sys.stdout.flush()
             for piece in s:
+                piece = piece if shown else piece.lstrip()
+                shown = shown or bool(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
             results.append(s.result)
         return results
     res = generate(model, tok, prompts, g, truncate_prompt=args.truncate_prompt,
-                   batch_size=args.batch_size, progress=len(prompts) > args.batch_size, draft=draft)
+                   batch_size=args.batch_size, progress=len(prompts) > args.batch_size, draft=draft, stop=stop)
     many = len(prompts) > 1 or g.num_return_sequences > 1
     for i, prompt in enumerate(res.prompts):
         for j, text in enumerate(res.texts[i]):
             if many:
                 print(f"### prompt {i + 1}/{len(prompts)}, sequence {j + 1}/{g.num_return_sequences}, "
                       f"score {res.scores[i][j]:.4f}, {res.finish_reasons[i][j]}")
-            print(prompt + text)
+            print(prompt + text if chat is None else text.strip())
     return [res]

@@ -193,3 +193,24 @@ def split_records(records: list[Record], fraction: float, seed: int) -> tuple[li
         raise DataError(f"Instruct.eval_fraction: {fraction} of {len(records)} records leaves nothing to train on")
     held = set(order[:n])
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
+
+
+def read_conversations(path: str | Path, key: str = "--messages") -> list[tuple[str, list[dict]]]:
+    """(file:line, messages) of every `{"messages": [...]}` record of a JSON Lines file (or a
+    JSON array): the conversations `gptforge generate --chat` answers. A bad record is one
+    `DataError` naming file:line and the field; other keys of a record are ignored."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{key} {p}: file not found")
+    out = []
+    for n, obj in _rows(p):
+        where = f"{p}:{n}"
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: a record must be a JSON object with a 'messages' field, got {type(obj).__name__}")
+        if "messages" not in obj:
+            raise DataError(f"{where}: field 'messages' is missing (a record is {{\"messages\": [{{\"role\": ..., "
+                            f"\"content\": ...}}, ...]}}); keys are {sorted(obj)[:6]}")
+        out.append((where, check_messages(obj["messages"], f"{where}: field 'messages'")))
+    if not out:
+        raise DataError(f"{key} {p}: no records; give one {{\"messages\": [...]}} object per line")
+    return out

@@ -2,6 +2,7 @@
 
 - `generate(model, tokenizer, prompts, config)` → `GenerationResult` (texts, token ids, scores)
 - `stream(model, tokenizer, prompt, config)` → iterator of text deltas
+- `generate_chat(model, tokenizer, conversations, config)` → answers rendered by the chat template
 - `generate_ids(model, prompt_ids, config)` → `SearchOutput` on token ids
 - `load_runnable(path)` → (model or ONNX backend, config, tokenizer); `load_draft(path, tokenizer=)`
 - `engine`: the decoding engine every client runs (continuous batching, speculative decoding);
@@ -15,6 +16,7 @@ from gptforge.generate.api import (
     TextStream,
     check_config,
     generate,
+    generate_chat,
     generate_ids,
     stream,
 )
@@ -34,7 +36,8 @@ from gptforge.generate.processors import (
 from gptforge.generate.search import PromptBatch, SearchOutput, left_pad
 
 __all__ = [
-    "GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "generate", "generate_ids", "stream",
+    "GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "generate", "generate_chat", "generate_ids",
+    "stream",
     "StepBackend", "TorchBackend", "release_packed", "NO_TOKEN", "MinNewTokens", "ProcessorList", "RepetitionPenalty",
     "Temperature", "TopK", "TopP", "VocabLimit", "PromptBatch", "SearchOutput", "left_pad", "SamplingParams",
     "SpecStats", "load_draft", "load_runnable",

@@ -24,6 +24,7 @@ import torch
 
 from gptforge.config.sampling import check_kv_cache_dtype, check_sampling
 from gptforge.config.schema import GenerationConfig
+from gptforge.data.chat_template import ChatTemplate, check_messages, template_for
 from gptforge.errors import ConfigError, DataError
 from gptforge.generate.backend import as_backend
 from gptforge.generate.beam import beam_search
@@ -38,8 +39,8 @@ from gptforge.generate.processors import LogitsProcessor, build_processors
 from gptforge.generate.search import SearchOutput, left_pad
 from gptforge.generate.speculative import check_speculative
 
-__all__ = ["GenerationResult", "IncrementalDecoder", "TextStream", "check_config", "fit_prompts", "generate",
-           "generate_ids", "special_ids", "stream"]
+__all__ = ["GenerationResult", "IncrementalDecoder", "TextStream", "chat_prompts", "check_config", "fit_prompts",
+           "generate", "generate_chat", "generate_ids", "special_ids", "stream"]
 
 STRATEGIES = ("sampling", "greedy_search", "beam_search")
 
@@ -122,10 +123,14 @@ def fit_prompts(prompts: Sequence[Sequence[int]], max_new: int, max_positions: i
 
 def _decode(be, dbe, ids: list[list[int]], cfg: GenerationConfig, eos: list[int], pad: int,
             vocab_limit: int | None, extra: Sequence[LogitsProcessor], batch_size: int | None = None,
-            on_finish=None) -> SearchOutput:
+            on_finish=None, stop: Sequence[str] = (), tokenizer=None) -> SearchOutput:
     """Decode token-id prompts: beam search in batches of `batch_size`, else the engine
-    (continuous batching of up to `batch_size` prompts' sequences at once; default all)."""
+    (continuous batching of up to `batch_size` prompts' sequences at once; default all).
+    `stop` strings (with the `tokenizer` that spells the text) end a sequence's text before them."""
     if cfg.decode_strategy == "beam_search":
+        if stop:
+            raise ConfigError("Generation.decode_strategy: stop strings (a chat template's) need greedy_search or "
+                              "sampling; beam search ranks whole hypotheses and cannot end one at a string")
         bs = batch_size or len(ids)
         outs = []
         for start in range(0, len(ids), bs):
@@ -139,13 +144,18 @@ def _decode(be, dbe, ids: list[list[int]], cfg: GenerationConfig, eos: list[int]
                 for _ in range(len(outs[-1].lengths)):
                     on_finish(None)
         return SearchOutput.concat(outs, pad)
-    params = from_generation(cfg)
+    params = dataclasses.replace(from_generation(cfg), stop=list(stop))
     core = offline_engine(be, eos_token_ids=eos, vocab_limit=vocab_limit,
                           max_batch_size=(batch_size or len(ids)) * params.n, processors=extra,
-                          draft_backend=dbe, num_draft_tokens=cfg.num_draft_tokens)
+                          tokenizer=tokenizer if stop else None, draft_backend=dbe,
+                          num_draft_tokens=cfg.num_draft_tokens)
     seqs = run_requests(core, ids, params, on_finish)
     width = cfg.max_dec_len if not cfg.early_finish else None
-    return SearchOutput.from_sequences(seqs, eos, pad, width, core.stats)
+    out = SearchOutput.from_sequences(seqs, eos, pad, width, core.stats)
+    if stop:  # the engine's own text, cut where a stop string began (the tokens that spelled it stay counted)
+        out.texts = [s.text_state.text for s in seqs]
+        out.stopped = [s.finish_reason == "stop" and not bool(f) for s, f in zip(seqs, out.finished, strict=True)]
+    return out
 
 
 def _resolve_draft(cfg: GenerationConfig, draft, tokenizer=None, device=None):
@@ -201,7 +211,7 @@ class GenerationResult:
     texts: list[list[str]]
     token_ids: list[list[list[int]]]  # generated ids, without the final EOS
     scores: list[list[float]]  # mean log-prob per token (greedy/sampling) or the beam score
-    finish_reasons: list[list[str]]  # "eos" | "length"
+    finish_reasons: list[list[str]]  # "eos" | "length" | "stop" (a stop string)
     seconds: float = 0.0
     new_tokens: int = 0  # tokens generated in total (EOS included)
     prompt_tokens: list[int] = field(default_factory=list)
@@ -229,12 +239,14 @@ def _prepare(model, tokenizer, prompts, config, device, truncate):
 
 def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationConfig | None = None,
              device=None, *, processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False,
-             batch_size: int | None = None, progress: bool = False, draft=None) -> GenerationResult:
+             batch_size: int | None = None, progress: bool = False, draft=None,
+             stop: Sequence[str] = ()) -> GenerationResult:
     """Generate continuations of text prompts. Greedy and sampling run the engine: continuous
     batching of up to `batch_size` prompts at once (default: all), to completion; beam search
     runs left-padded batches of `batch_size`. `device` moves the model there first; `progress`
     shows a bar on stderr. `draft` (a model or `StepBackend` with the same tokenizer; default:
-    `Generation.draft` loaded) turns on speculative decoding."""
+    `Generation.draft` loaded) turns on speculative decoding. `stop`: strings that end a text
+    before them (greedy and sampling; finish reason "stop"), as in `stream`."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompts, config, device, truncate_prompt)
     draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
     res = GenerationResult(texts, [], [], [], [], prompt_tokens=[len(p) for p in ids])
@@ -248,7 +260,8 @@ def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationC
     with _backends(model, draft, cfg) as (be, dbe):
         check_decode_fits(be, cfg, min(batch_size or len(ids), len(ids)), max(map(len, ids), default=1), limit)
         out = _decode(be, dbe, ids, cfg, eos, pad, limit, processors, batch_size,
-                      on_finish=(lambda _ev: bar.update(1)) if bar is not None else None)
+                      on_finish=(lambda _ev: bar.update(1)) if bar is not None else None, stop=stop,
+                      tokenizer=tokenizer)
     if bar is not None:
         bar.close()
     seqs = out.sequences()
@@ -257,11 +270,45 @@ def generate(model, tokenizer, prompts: str | Sequence[str], config: GenerationC
     for i in range(len(ids)):
         rows = range(i * n, (i + 1) * n)
         res.token_ids.append([seqs[r] for r in rows])
-        res.texts.append([tokenizer.decode(seqs[r]) for r in rows])
+        res.texts.append([out.texts[r] if out.texts is not None else tokenizer.decode(seqs[r]) for r in rows])
         res.scores.append([float(out.scores[r]) for r in rows])
-        res.finish_reasons.append(["eos" if out.finished[r] else "length" for r in rows])
+        res.finish_reasons.append(["eos" if out.finished[r] else "stop" if out.stopped and out.stopped[r]
+                                   else "length" for r in rows])
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def chat_prompts(template: ChatTemplate, conversations: Sequence[Sequence[dict]],
+                 where: Sequence[str] | None = None) -> list[str]:
+    """The text a model continues for each conversation: its messages and the generation
+    prompt, as `gptforge chat` and serve's /v1/chat/completions render them. A bad message or
+    a template that refuses a conversation is a DataError naming `where[i]` (default
+    "conversation i")."""
+    out = []
+    for i, conv in enumerate(conversations):
+        at = where[i] if where is not None else f"conversation {i + 1}"
+        msgs = check_messages(list(conv) if isinstance(conv, (list, tuple)) else conv, at)
+        try:
+            out.append(template.prompt(msgs))
+        except DataError as e:
+            raise DataError(f"{at}: {e}") from None
+    return out
+
+
+def generate_chat(model, tokenizer, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+                  config: GenerationConfig | None = None, *, template: ChatTemplate | None = None,
+                  **kwargs) -> GenerationResult:
+    """Answer conversations (each a list of {role, content} messages; one conversation may be
+    given alone): rendered by `template` (default: the tokenizer's own chat template, else
+    gptforge's default) with the generation prompt, each answer ending at EOS or the
+    template's stop strings. `kwargs` as in `generate` (greedy or sampling)."""
+    convs = list(conversations)
+    if convs and isinstance(convs[0], dict):
+        convs = [convs]
+    if not convs:
+        raise DataError("no conversations given")
+    template = template or template_for(tokenizer)
+    return generate(model, tokenizer, chat_prompts(template, convs), config, stop=template.stop, **kwargs)
 
 
 # ------------------------------------------------------------------------------ streaming

@@ -70,6 +70,8 @@ class SearchOutput:
     finished: torch.Tensor  # [N] bool: the row ended with EOS (else it hit max_new_tokens)
     scores: torch.Tensor  # [N] float: mean log-prob (greedy/sampling) or beam score
     speculative: object = None  # with a draft model: its `SpecStats` (rounds, drafted, accepted, rate)
+    texts: list[str] | None = None  # with stop strings: each row's text, cut before the stop string
+    stopped: list[bool] | None = None  # with stop strings: the row ended at one
 
     def sequences(self, keep_eos: bool = False) -> list[list[int]]:
         """Token-id lists per row, without padding (and without the final EOS unless `keep_eos`)."""
