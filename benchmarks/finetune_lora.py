@@ -13,10 +13,19 @@ the reverse order) so that load from other processes hits all alike; reported: m
 per run (each run: `--warmup` untimed steps, then `--steps` timed), the ratio of the medians
 and its spread (min/max over rounds), the load average before and after.
 
-Runs (`--runs`): `lora` (ours, `gptforge sft`'s trainer step), `peft` (peft over transformers,
-a plain PyTorch loop), `full` (ours, full fine-tuning), `lora-int8` (ours, LoRA over the real
-INT8 base of `quantize --convert`), `packed` / `padded` (ours, LoRA on the synthetic
-instruction set of benchmarks/sft_packing.py: real tokens/s with packing on and off).
+Two workloads. Plain text: seeded random token rows (`--batch` x `--seq`), every token learned.
+Instruction tuning (the SFT use case): `--sft-examples` records per step of the synthetic
+instruction set (data/synthetic_instructions.py, as benchmarks/sft_packing.py renders it: the
+default chat template, GPT-2's BPE), the same records in the same order for both, the prompt
+masked and the answer + EOS learned. Ours gets them as `gptforge sft` builds them (rows of
+`--seq`, packing off or on); peft gets what a TRL user's completion-only collator hands
+transformers: each record's ids, labels -100 on the prompt, padded to the batch's longest
+record (attention_mask 0 on padding). Real (non-padding) tokens/s are counted alike.
+
+Runs (`--runs`): `lora` / `peft` (plain text: ours, `gptforge sft`'s trainer step; peft over
+transformers, a plain PyTorch loop), `full` (ours, full fine-tuning), `lora-int8` (ours, LoRA
+over the real INT8 base of `quantize --convert`), `padded` / `packed` / `peft-padded`
+(instruction tuning: ours with packing off / on, and peft).
 
     .venv/bin/python benchmarks/finetune_lora.py                       # all runs, 2 rounds, 1 thread
     .venv/bin/python benchmarks/finetune_lora.py --runs lora peft --rounds 3 --threads 2
@@ -129,8 +138,9 @@ def ours(root: Path, run: str, args):
 
     ckpt = root / ("int8" if run == "lora-int8" else "ours")
     method = "full" if run == "full" else "lora"
+    rows = args.sft_examples if run in ("packed", "padded") else args.batch  # at most one row per record
     cfg = load_config(overrides=[
-        "Global.device=cpu", f"Global.global_batch_size={args.batch}", f"Global.micro_batch_size={args.batch}",
+        "Global.device=cpu", f"Global.global_batch_size={rows}", f"Global.micro_batch_size={rows}",
         f"Data.Train.dataset.max_seq_len={args.seq}", "Engine.mix_precision.enable=False",
         f"Engine.save_load.output_dir={root / ('out-' + run + '-' + str(os.getpid()))}",
         "Optimizer.lr.warmup_rate=0", f"Optimizer.lr.max_lr={LR}", f"Optimizer.lr.min_lr={LR}",
@@ -154,7 +164,7 @@ def ours(root: Path, run: str, args):
     trainer = SFTTrainer(cfg, base.model, base.tokenizer, datasets={"Train": [None]}, progress=False, echo=False,
                          verb="sft")
     if run in ("packed", "padded"):
-        batches = instruction_batches(run == "packed", args)
+        batches = [_rows(chunk, args.seq, run == "packed") for chunk in instruction_steps(args)]
     else:
         batches = [_batch(t) for t in torch.load(root / "batches.pt")]
 
@@ -165,18 +175,50 @@ def ours(root: Path, run: str, args):
     return step, batches
 
 
-def instruction_batches(packed: bool, args) -> list[dict]:
-    """`args.warmup + args.steps` batches of sft_packing.py's rows (the same rows it measures)."""
+def instruction_steps(args) -> list[list]:
+    """`args.warmup + args.steps` steps of `args.sft_examples` tokenized records each (ids + the
+    learned-token mask), in one seeded order: what every instruction run trains on."""
+    import random
+
+    from gptforge.data.chat_template import ChatTemplate
+    from gptforge.data.synthetic_instructions import make_instances, messages
+    from gptforge.data.tokenizer import gpt2_tokenizer
+
+    tok, template = gpt2_tokenizer(), ChatTemplate()
+    n = (args.warmup + args.steps) * args.sft_examples
+    train, _ = make_instances(n, 0)
+    ex = [template.encode(tok, messages(p, a)) for p, a, _ in train[:n]]
+    random.Random(0).shuffle(ex)
+    return [ex[i:i + args.sft_examples] for i in range(0, n, args.sft_examples)]
+
+
+def _rows(examples, seq: int, packed: bool) -> dict:
+    """The records as `gptforge sft` builds its rows (in their order; packing on or off)."""
     import torch
 
-    sys.path.insert(0, str(HERE))
-    from sft_packing import instruction_rows
+    from gptforge.data.packing import build_rows
 
-    rows = instruction_rows(args.seq)[packed]
-    keys = ("tokens", "labels", "loss_mask", "position_ids", "segments")
-    n = args.warmup + args.steps
-    return [{k: torch.as_tensor(getattr(rows, k)[i * args.batch:(i + 1) * args.batch]) for k in keys}
-            for i in range(n)]
+    rows = build_rows(examples, seq, packed, seed=0)
+    return {k: torch.as_tensor(getattr(rows, k)) for k in ("tokens", "labels", "loss_mask", "position_ids", "segments")}
+
+
+def hf_collate(examples, pad_id: int) -> dict:
+    """The records as a completion-only collator gives them to transformers: input ids (the
+    whole record, its final EOS included), labels -100 where not learned (transformers shifts
+    them), padded to the longest record; `n_real` = the tokens ours trains on (ids minus one)."""
+    import torch
+
+    T = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), -100, dtype=torch.long)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    for r, e in enumerate(examples):
+        k = len(e.ids)
+        ids[r, :k] = torch.tensor(e.ids)
+        labels[r, :k] = torch.where(torch.tensor(e.mask) > 0, torch.tensor(e.ids), -100)
+        attn[r, :k] = 1
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels,
+            "n_real": sum(len(e.ids) - 1 for e in examples)}
 
 
 def theirs(root: Path, args, padded: bool = False):
@@ -192,31 +234,23 @@ def theirs(root: Path, args, padded: bool = False):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
     if padded:
-        batches = [hf_batch(b) for b in instruction_batches(False, args)]
+        from gptforge.data.tokenizer import gpt2_tokenizer
+
+        pad = gpt2_tokenizer().eos_token_id  # GPT-2 has no pad token: users pad with EOS (masked out)
+        batches = [hf_collate(chunk, pad) for chunk in instruction_steps(args)]
     else:
-        batches = [{"input_ids": t[:, :-1], "labels": t[:, :-1]} for t in torch.load(root / "batches.pt")]
+        batches = [{"input_ids": t[:, :-1], "labels": t[:, :-1], "n_real": t[:, :-1].numel()}
+                   for t in torch.load(root / "batches.pt")]
 
     def step(b):
-        loss = model(**b).loss
+        loss = model(**{k: v for k, v in b.items() if k != "n_real"}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+        return b["n_real"]
 
     return step, batches
-
-
-def hf_batch(b: dict) -> dict:
-    """Our padded instruction rows as a peft user's collator gives them to transformers: input
-    ids, attention_mask 0 on padding, labels -100 where no loss (transformers shifts them; the
-    last position's target, beyond the row, is the one learned token it cannot see)."""
-    import torch
-
-    learned = (b["loss_mask"] > 0) & (b["labels"] != -100)
-    labels = torch.full_like(b["tokens"], -100)
-    labels[:, 1:] = torch.where(learned[:, :-1], b["labels"][:, :-1], -100)
-    return {"input_ids": b["tokens"], "attention_mask": (b["segments"] > 0).long(), "labels": labels}
 
 
 def child(root: Path, run: str, args) -> dict:
@@ -252,7 +286,7 @@ def child(root: Path, run: str, args) -> dict:
 def spawn(root: Path, run: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", run, "--root", str(root), "--threads", str(args.threads),
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--runs", *args.runs]
+           "--warmup", str(args.warmup), "--sft-examples", str(args.sft_examples), "--runs", *args.runs]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -263,7 +297,8 @@ def spawn(root: Path, run: str, args) -> dict:
 def report(results: dict[str, list[dict]], args, loads: list[float]) -> dict:
     mb = 1 / 1024
     print(f"\n{cpu_name()} ({cpu_flags()}), {os.cpu_count()} cores, {args.threads} thread(s); load average "
-          f"{loads[0]:.1f} before, {loads[1]:.1f} after; batch {args.batch} x {args.seq}, {args.steps} timed steps "
+          f"{loads[0]:.1f} before, {loads[1]:.1f} after; batch {args.batch} x {args.seq} (instruction runs: "
+          f"{args.sft_examples} records per step), {args.steps} timed steps "
           f"after {args.warmup} warm-up per run, {args.rounds} round(s)")
     print(f"{'run':>10} | tokens/s median (min-max over rounds) | tokens per CPU s | peak RSS load MB | "
           "peak RSS training MB")
@@ -291,9 +326,13 @@ def report(results: dict[str, list[dict]], args, loads: list[float]) -> dict:
         print(f"ours / peft: peak RSS whole process {rss:.2f}x, training phase {train_rss:.2f}x")
     if "padded" in results and "peft-padded" in results:
         r = ratios(results["padded"], results["peft-padded"], "tokens_per_s")
-        print(f"ours / peft on padded instruction rows (loss on answers only): real tokens/s "
-              f"{statistics.median(r):.2f}x (spread {min(r):.2f}-{max(r):.2f})")
-        summary["ratio_padded"] = r
+        c = ratios(results["padded"], results["peft-padded"], "tokens_per_cpu_s")
+        print(f"ours / peft on instruction records (loss on answers only): real tokens/s "
+              f"{statistics.median(r):.2f}x per round (spread {min(r):.2f}-{max(r):.2f}); per CPU second "
+              f"{statistics.median(c):.2f}x (spread {min(c):.2f}-{max(c):.2f})")
+        rss = summary["padded"]["process_peak_mb"] / summary["peft-padded"]["process_peak_mb"]
+        print(f"ours / peft on instruction records: peak RSS whole process {rss:.2f}x")
+        summary["ratio_padded"] = {"tokens_per_s": r, "tokens_per_cpu_s": c, "process_rss": rss}
     if "packed" in results and "padded" in results:
         g = ratios(results["packed"], results["padded"], "tokens_per_s")
         print(f"packing gain (LoRA, real tokens/s): {statistics.median(g):.2f}x (spread {min(g):.2f}-{max(g):.2f})")
@@ -315,6 +354,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sft-examples", type=int, default=32, help="records per step of the instruction runs")
     ap.add_argument("--json", metavar="FILE", help="also write every run's figures as JSON")
     ap.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)

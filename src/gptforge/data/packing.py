@@ -115,3 +115,74 @@ def encode_plain(tokenizer, prompt: str, completion: str, train_on_inputs: bool 
     tokenized apart, as a prompt is at inference."""
     p, c = tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_token_id]
     return Encoded(p + c, [int(train_on_inputs)] * len(p) + [1] * len(c))
+
+
+# The row length examples are re-packed into within a step (at least the batch's longest row):
+# long enough that short examples share rows, short enough that a row's block-diagonal
+# attention wastes little on masked-out pairs.
+REPACK_ROW = 128
+_PAD = {"labels": IGNORE}
+
+
+def _examples(segments: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, length) of every example (a run of one non-zero segment id) of the rows."""
+    out = []
+    for r, row in enumerate(segments.tolist()):
+        start = 0
+        for t in range(1, len(row) + 1):
+            if t == len(row) or row[t] != row[start]:
+                if row[start]:
+                    out.append((r, start, t - start))
+                start = t
+    return out
+
+
+def compact_batch(batch: dict, keep: float = 0.85) -> dict:
+    """The batch's examples in fewer positions: the same tokens, labels, loss weights, positions
+    and per-example attention, so the same loss and gradients, without computing padding.
+
+    Examples are re-packed first-fit-decreasing into rows of max(longest row, REPACK_ROW
+    capped at the row length) positions when that needs at most `keep` of the positions the
+    rows have up to their last token; otherwise the rows are only cut after their last token
+    (every position there is padding: it carries no loss and no example attends to it)."""
+    seg = batch["segments"]
+    B, T = seg.shape
+    ex = _examples(seg.cpu())
+    if not ex:
+        return batch
+    used = max(s + n for _, s, n in ex)
+    cap = max(used, min(T, REPACK_ROW))
+    bins: list[list[tuple[int, int, int]]] = []
+    room: list[int] = []
+    for e in sorted(ex, key=lambda e: -e[2]):
+        i = next((i for i, free in enumerate(room) if free >= e[2]), None)
+        if i is None:
+            bins.append([])
+            room.append(cap)
+            i = len(bins) - 1
+        bins[i].append(e)
+        room[i] -= e[2]
+    if len(bins) * cap > keep * B * used:
+        return batch if used == T else {k: v[:, :used] if _rowwise(v, B, T) else v for k, v in batch.items()}
+    src = torch.full((len(bins), cap), -1, dtype=torch.long)
+    new_seg = torch.zeros((len(bins), cap), dtype=seg.dtype)
+    for b, members in enumerate(sorted(bins, key=lambda m: min(m))):  # in the batch's order, for determinism
+        at = 0
+        for k, (r, s, n) in enumerate(sorted(members), 1):
+            src[b, at:at + n] = torch.arange(r * T + s, r * T + s + n)
+            new_seg[b, at:at + n] = k
+            at += n
+    live = (src >= 0).to(seg.device)
+    idx = src.clamp(min=0).to(seg.device)
+    out = {}
+    for k, v in batch.items():
+        if not _rowwise(v, B, T):
+            out[k] = v
+            continue
+        out[k] = torch.where(live, v.reshape(-1)[idx], torch.as_tensor(_PAD.get(k, 0), dtype=v.dtype, device=v.device))
+    out["segments"] = new_seg.to(seg.device)
+    return out
+
+
+def _rowwise(v, B: int, T: int) -> bool:
+    return isinstance(v, torch.Tensor) and tuple(v.shape) == (B, T)

@@ -3,9 +3,9 @@
 The run is pretraining's `Trainer` (train/trainer.py: optimizer, schedule, precision,
 accumulation, checkpoints, exact resume, the run lock, logging) over other data: rows of
 tokenized conversations (data/instructions.py → data/chat_template.py → data/packing.py). The
-only change to the step is the attention: packed rows pass the block-diagonal mask of their
-examples. The loss is the model's token loss over the learned tokens (assistant turns or
-completions, and EOS).
+step's loss (`rows_loss`) is the model's token loss over the learned tokens (assistant turns or
+completions, and EOS), with packed rows' block-diagonal attention, computed without the
+batch's padding and, for LoRA, with the head's logits for the learned tokens only.
 
 The chat template goes with the tokenizer into every checkpoint's tokenizer_config.json, so
 the tuned model is used with the template it was trained on.
@@ -23,7 +23,7 @@ from torch import nn
 from gptforge.config.schema import Config
 from gptforge.data.chat_template import ChatTemplate, template_for
 from gptforge.data.instructions import Record, read_records, split_records
-from gptforge.data.packing import Rows, build_rows, encode_plain, packed_attention_mask
+from gptforge.data.packing import Rows, build_rows, compact_batch, encode_plain, packed_attention_mask
 from gptforge.errors import CheckpointError, ConfigError, DataError
 from gptforge.finetune.head_loss import frozen_head, frozen_head_loss
 from gptforge.train.trainer import Trainer, TrainResult
@@ -160,14 +160,23 @@ class SFTTrainer(Trainer):
     """The pretraining loop with packed rows: each example attends only to itself."""
 
     def _forward_loss(self, batch: dict, model: nn.Module):
-        mask = rows_attention_mask(batch["segments"])
-        head = frozen_head(model)
         with self.precision.autocast():
-            if head is not None:  # LoRA without a head adapter: no [N, V] tensors kept for backward
-                hidden = model.hidden_states(batch["tokens"], batch["position_ids"], mask)
-                return frozen_head_loss(hidden, head, batch["labels"], batch["loss_mask"])
-            return model(batch["tokens"], position_ids=batch["position_ids"], attention_mask=mask,
-                         labels=batch["labels"], loss_mask=batch["loss_mask"]).loss
+            return rows_loss(model, batch)
+
+
+def rows_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The token loss of a batch of rows, computing only what it depends on: the examples
+    re-packed without their padding (data/packing.py `compact_batch`), and with a frozen tied
+    head (LoRA without a head adapter) the logits of the learned tokens only, no [N, V]
+    tensors kept for backward (head_loss.py). Equal to the model's loss over the rows as given."""
+    batch = compact_batch(batch)
+    mask = rows_attention_mask(batch["segments"])
+    head = frozen_head(model)
+    if head is not None:
+        hidden = model.hidden_states(batch["tokens"], batch["position_ids"], mask)
+        return frozen_head_loss(hidden, head, batch["labels"], batch["loss_mask"])
+    return model(batch["tokens"], position_ids=batch["position_ids"], attention_mask=mask,
+                 labels=batch["labels"], loss_mask=batch["loss_mask"]).loss
 
 
 def rows_attention_mask(segments: torch.Tensor) -> torch.Tensor | None:
