@@ -44,8 +44,7 @@ def step(model, opt, rows, i: int, batch: int, packed: bool) -> tuple[float, int
 
 def instruction_rows(seq: int, n: int = 4000) -> dict:
     """{packed: rows} of `n` synthetic instruction examples (default template, GPT-2 BPE) in
-    rows of `seq` tokens, packed (True) and one example per row (False); also used by
-    finetune_lora.py's packing runs."""
+    rows of `seq` tokens, packed (True) and one example per row (False)."""
     tok = gpt2_tokenizer()
     template = ChatTemplate()
     train, _ = make_instances(n, 0)

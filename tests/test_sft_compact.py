@@ -57,11 +57,11 @@ def _plain(model, b):
                  labels=b["labels"], loss_mask=b["loss_mask"]).loss
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing,seq", [(False, 48), (True, 48), (True, 256)], ids=["padded", "packed", "packed-long"])
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_rows_loss_equals_the_plain_loss_and_gradients(method, packing):
+def test_rows_loss_equals_the_plain_loss_and_gradients(method, packing, seq):
     model, cfg = _model(method)
-    b = _batch(packing, cfg.Model.vocab_size)
+    b = _batch(packing, cfg.Model.vocab_size, n=24 if seq > 48 else 12, seq=seq)
     assert (frozen_head(model) is not None) == (method == "lora")
     want = _grads(model, _plain(model, b))
     got = _grads(model, rows_loss(model, b))
@@ -81,6 +81,10 @@ def test_padded_rows_are_repacked_into_fewer_positions_with_the_same_tokens():
         return sorted(zip(*(batch[k][live].tolist() for k in KEYS[:4]), strict=True))
 
     assert tokens(c) == tokens(b)
+    # long packed rows of short examples: the same examples in shorter rows, no more positions
+    p = _batch(True, cfg.Model.vocab_size, n=40, seq=256, lengths=(4, 12))
+    c = compact_batch(p)
+    assert c["tokens"].shape[1] == 128 and c["tokens"].numel() <= p["tokens"].numel() and tokens(c) == tokens(p)
     assert (c["labels"][c["segments"] == 0] == IGNORE).all() and (c["loss_mask"][c["segments"] == 0] == 0).all()
     # each example stays whole, its positions 0, 1, ... in one row
     for row_pos, row_seg in zip(c["position_ids"], c["segments"], strict=True):

@@ -141,17 +141,19 @@ def compact_batch(batch: dict, keep: float = 0.85) -> dict:
     """The batch's examples in fewer positions: the same tokens, labels, loss weights, positions
     and per-example attention, so the same loss and gradients, without computing padding.
 
-    Examples are re-packed first-fit-decreasing into rows of max(longest row, REPACK_ROW
+    Examples are re-packed first-fit-decreasing into rows of max(longest example, REPACK_ROW
     capped at the row length) positions when that needs at most `keep` of the positions the
-    rows have up to their last token; otherwise the rows are only cut after their last token
-    (every position there is padding: it carries no loss and no example attends to it)."""
+    rows have up to their last token, or no more of them in shorter rows (a row's
+    block-diagonal attention costs in proportion to its length per token); otherwise the rows
+    are only cut after their last token (every position there is padding: it carries no loss
+    and no example attends to it)."""
     seg = batch["segments"]
     B, T = seg.shape
     ex = _examples(seg.cpu())
     if not ex:
         return batch
     used = max(s + n for _, s, n in ex)
-    cap = max(used, min(T, REPACK_ROW))
+    cap = max(max(n for _, _, n in ex), min(T, REPACK_ROW))
     bins: list[list[tuple[int, int, int]]] = []
     room: list[int] = []
     for e in sorted(ex, key=lambda e: -e[2]):
@@ -162,7 +164,8 @@ def compact_batch(batch: dict, keep: float = 0.85) -> dict:
             i = len(bins) - 1
         bins[i].append(e)
         room[i] -= e[2]
-    if len(bins) * cap > keep * B * used:
+    positions = len(bins) * cap
+    if positions > keep * B * used and not (cap < used and positions <= B * used):
         return batch if used == T else {k: v[:, :used] if _rowwise(v, B, T) else v for k, v in batch.items()}
     src = torch.full((len(bins), cap), -1, dtype=torch.long)
     new_seg = torch.zeros((len(bins), cap), dtype=seg.dtype)
