@@ -161,15 +161,17 @@ class SFTTrainer(Trainer):
 
     def _forward_loss(self, batch: dict, model: nn.Module):
         with self.precision.autocast():
-            return rows_loss(model, batch)
+            # Sequence parallel splits each row's positions over the ranks: rows keep their length.
+            return rows_loss(model, batch, compact=not self.par.sequence_parallel)
 
 
-def rows_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+def rows_loss(model: nn.Module, batch: dict, compact: bool = True) -> torch.Tensor:
     """The token loss of a batch of rows, computing only what it depends on: the examples
     re-packed without their padding (data/packing.py `compact_batch`), and with a frozen tied
     head (LoRA without a head adapter) the logits of the learned tokens only, no [N, V]
     tensors kept for backward (head_loss.py). Equal to the model's loss over the rows as given."""
-    batch = compact_batch(batch)
+    if compact:
+        batch = compact_batch(batch)
     mask = rows_attention_mask(batch["segments"])
     head = frozen_head(model)
     if head is not None:
