@@ -43,8 +43,22 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        if mask is None and not is_causal and q.shape[-2] == 1 and q.device.type == "cpu" and not self.training:
+            return decode_attention(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ/√d)·v for one query per row (a decode step) in three plain ops.
+
+    On CPU, SDPA's fused kernel pays a parallel region and per-call scratch buffers for every
+    call, which for a single query costs more than the arithmetic (measured in
+    benchmarks/results/2026-11-25-decode-overhead.md); these ops stay on the calling thread at
+    decode sizes. Each row is computed on its own, so a sequence's result does not depend on
+    what else shares the step."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class SelfAttention(nn.Module):
@@ -86,12 +100,19 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x, mask=None, is_causal=True, cache: KVCache | None = None):
-        x = x + self.dropout(self.attn(self.norm1(x), mask, is_causal, cache))
+        # Dropout is the identity in eval mode: skipping its module call saves two calls per
+        # layer of every decode step.
+        drop = self.dropout if self.training else _identity
+        x = x + drop(self.attn(self.norm1(x), mask, is_causal, cache))
         h = self.norm2(x)
         if self.moe is not None:
-            return x + self.dropout(self.moe(h))
+            return x + drop(self.moe(h))
         # No dropout between GELU and linear2 (spec §1.1).
-        return x + self.dropout(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
+        return x + drop(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 # A block's Linear layers by their path inside the block, in the reference's counting order

@@ -1,0 +1,170 @@
+"""Where one fp32 decode step of the GPT-2 124M shape spends its time (issues #30 / #32).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py [--threads 1,2] [--batches 1,8]
+    PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --time-only --rounds 5
+
+Random weights of the 124M shape (GPT-2's vocabulary, padded to 50304 rows like a trained
+model). Two loops are measured, at every thread count and batch size asked for:
+
+- `step`: `TorchBackend.step` over a `KVCache` (what `benchmarks/lowbit_decode.py` times; batch 1);
+- `engine`: one `EngineCore.step` of the offline engine that `generate` / `infer` / `serve` run
+  (ragged step over per-sequence slots + sampler + output processor), greedy, EOS suppressed.
+
+For each: milliseconds per decode step (median of `--steps` steps after a 128-token prompt), the
+same step's matrix products alone (every packed block Linear and the head called back to back on
+one row per sequence: the weight-streaming part), the difference (everything else), and, unless
+`--time-only`, a `torch.profiler` table (ops by self CPU time) with the number of ATen ops a step
+dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
+
+PROMPT = 128
+
+
+def build(seed: int = 0):
+    from gptforge.config import load_config
+    from gptforge.model import build_model
+
+    cfg = load_config(overrides=["Model.preset=124M", "Data.tokenizer=gpt2", "Model.hidden_dropout_prob=0",
+                                 "Model.attention_probs_dropout_prob=0"])
+    torch.manual_seed(seed)
+    return build_model(cfg.Model).eval()
+
+
+class StepLoop:
+    """Batch-1 `TorchBackend.step` decoding over a `KVCache` (greedy)."""
+
+    def __init__(self, backend, steps: int):
+        self.be = backend
+        self.cache = backend.new_cache(1, PROMPT + steps + 8)
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, 50257, (1, PROMPT), generator=g)
+        logits = backend.step(prompt, torch.arange(PROMPT)[None], None, self.cache)
+        self.tok = logits.argmax(-1, keepdim=True)
+
+    def __call__(self) -> None:
+        n = self.cache.length
+        logits = self.be.step(self.tok, torch.tensor([[n]]), None, self.cache)
+        self.tok = logits.argmax(-1, keepdim=True)
+
+
+class EngineLoop:
+    """Offline-engine decode steps of `batch` greedy sequences (prefill done before timing)."""
+
+    def __init__(self, backend, batch: int, steps: int):
+        from gptforge.generate.engine.offline import offline_engine
+        from gptforge.generate.engine.params import SamplingParams
+        from gptforge.generate.engine.sequence import Request
+
+        self.core = offline_engine(backend, eos_token_ids=[50256], vocab_limit=50257, max_batch_size=batch)
+        g = torch.Generator().manual_seed(1)
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, min_tokens=steps + 8)
+        for _ in range(batch):
+            self.core.add(Request([torch.randint(0, 50256, (PROMPT,), generator=g).tolist()], params), bounded=False)
+        while any(s.chunks for s in self.core.scheduler.running) or self.core.scheduler.waiting:
+            self.core.step()
+
+    def __call__(self) -> None:
+        self.core.step()
+
+
+def matmul_only(model, backend, rows: int):
+    """One step's matrix products alone, through the packed weights the backend uses."""
+    from gptforge.generate.backend import _PACKED
+
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    packed = [(_PACKED[m]["weight"].tensor, m.bias, torch.randn(rows, m.in_features)) for m in lins]
+    head = backend._head
+    h = torch.randn(rows, model.config.hidden_size)
+
+    def run():
+        for w, b, x in packed:
+            torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(h, head, None, "none", [], "")
+    return run
+
+
+def median_ms(fn, n: int) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def profile(fn, n: int, rows: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(n):
+            fn()
+    avg = prof.key_averages()
+    top = sum(1 for e in prof.events() if e.key.startswith("aten::") and e.cpu_parent is None)
+    ops = top / n
+    print(f"  ATen ops dispatched per step (top level): {ops:.0f}")
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    shaped = prof.key_averages(group_by_input_shape=True)
+    print(shaped.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40,
+                       max_shapes_column_width=60))
+
+
+def case(model, kind: str, batch: int, args) -> tuple[float, float]:
+    from gptforge.generate.backend import TorchBackend
+
+    with TorchBackend(model) as be:
+        total = args.steps * (args.rounds + 2) + 8
+        loop = StepLoop(be, total) if kind == "step" else EngineLoop(be, batch, total)
+        step = median_ms(loop, args.steps)
+        mm = median_ms(matmul_only(model, be, batch), args.steps)
+        print(f"{kind} batch {batch}, {torch.get_num_threads()} threads: {step:.2f} ms/step, matmuls alone "
+              f"{mm:.2f} ms, other {step - mm:.2f} ms ({(step - mm) / step:.0%}); load {os.getloadavg()[0]:.2f}",
+              flush=True)
+        if not args.time_only:
+            profile(loop, args.profile_steps, args.rows)
+    return step, mm
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--batches", default="1,8", help="engine batch sizes (the step loop runs at batch 1)")
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every case this many times (interleaved)")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--loops", default="step,engine")
+    args = ap.parse_args(argv)
+
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    model = build()
+    cases = [(k, b) for k in args.loops.split(",") for b in ([1] if k == "step" else map(int, args.batches.split(",")))]
+    for _ in range(args.rounds):
+        for t in map(int, args.threads.split(",")):
+            torch.set_num_threads(t)
+            for kind, b in cases:
+                with torch.inference_mode():
+                    case(model, kind, b, args)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
