@@ -43,20 +43,21 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        if mask is None and not is_causal and q.shape[-2] == 1 and q.device.type == "cpu" and not self.training:
+        if (mask is None and not is_causal and q.shape[-2] == 1 and q.dtype == torch.float32
+                and q.device.type == "cpu" and not self.training):
             return decode_attention(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d)·v for one query per row (a decode step) in three plain ops.
+    """softmax(q·kᵀ/√d)·v for one query per row (a decode step) in plain matmul / softmax ops.
 
     On CPU, SDPA's fused kernel pays a parallel region and per-call scratch buffers for every
     call, which for a single query costs more than the arithmetic (measured in
-    benchmarks/results/2026-11-25-decode-overhead.md); these ops stay on the calling thread at
-    decode sizes. Each row is computed on its own, so a sequence's result does not depend on
-    what else shares the step."""
+    benchmarks/results/2026-11-25-decode-overhead.md). The continuous-batching step calls it
+    once per sequence over that sequence's own keys, so the result never depends on what else
+    shares the step."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
@@ -214,7 +215,8 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).unsqueeze(0)
-        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        x = self.drop(x) if self.training else x
         mask, is_causal = self.attention_mask(T, start, attention_mask, input_ids.device)
         for blk in self.blocks:
             x = blk(x, mask, is_causal, cache)
