@@ -144,38 +144,3 @@ def test_block_linears_are_every_linear_of_the_blocks(moe):
     assert len(dense) == (3 if not moe else 2)
     assert walked[0][0] == f"blocks.0.{BLOCK_LINEARS[0]}" and BLOCK_LINEARS[0] == "attn.qkv_proj"
 
-
-@pytest.mark.parametrize("length", [1, 7, 64, 300])
-def test_decode_attention_equals_sdpa(length):
-    """One query per row over a cache's strided key/value window: PyTorch's fused SDPA is the
-    reference for the plain-op path a CPU decode step takes."""
-    from gptforge.model.gpt import CoreAttention, decode_attention
-
-    torch.manual_seed(length)
-    qkv = torch.randn(3, 1, 4, 3 * 16).transpose(1, 2)  # [B, heads, 1, 3*d] as the fused projection gives it
-    q, _, _ = qkv.split(16, dim=-1)
-    k = torch.randn(3, 4, length + 5, 16)[:, :, :length]
-    v = torch.randn(3, 4, length + 5, 16)[:, :, :length]
-    ref = F.scaled_dot_product_attention(q, k, v)
-    torch.testing.assert_close(decode_attention(q, k, v), ref, rtol=1e-5, atol=1e-6)
-    core = CoreAttention(0.5).eval()
-    torch.testing.assert_close(core(q, k, v, None, False), ref, rtol=1e-5, atol=1e-6)
-
-
-def test_decode_attention_only_where_it_applies(monkeypatch):
-    """The plain-op path serves fp32 CPU decode queries in eval mode only: training (dropout),
-    masks, several queries and other dtypes keep SDPA."""
-    import gptforge.model.gpt as gpt
-
-    calls = []
-    monkeypatch.setattr(gpt, "decode_attention", lambda q, k, v: calls.append(q.shape) or q)
-    core = gpt.CoreAttention(0.0).eval()
-    q1, q4, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
-    core(q1, k, k, None, False)
-    assert calls == [q1.shape]
-    core(q4, k, k, None, False)
-    core(q1, k, k, torch.ones(1, 1, 1, 6, dtype=torch.bool), False)
-    core(q1.bfloat16(), k.bfloat16(), k.bfloat16(), None, False)
-    core.train()
-    core(q1, k, k, None, False)
-    assert calls == [q1.shape]

@@ -43,23 +43,8 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        if (mask is None and not is_causal and q.shape[-2] == 1 and q.dtype == torch.float32
-                and q.device.type == "cpu" and not self.training):
-            return decode_attention(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d)·v for one query per row (a decode step) in plain matmul / softmax ops.
-
-    On CPU, SDPA's fused kernel pays a parallel region and per-call scratch buffers for every
-    call, which for a single query costs more than the arithmetic (measured in
-    benchmarks/results/2026-11-25-decode-overhead.md). The continuous-batching step calls it
-    once per sequence over that sequence's own keys, so the result never depends on what else
-    shares the step."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class SelfAttention(nn.Module):
