@@ -97,14 +97,18 @@ def matmul_only(model, backend, rows: int):
     return run
 
 
-def median_ms(fn, n: int) -> float:
+def median_ms(fn, n: int) -> tuple[float, float]:
+    """(wall, CPU) milliseconds per call, medians of `n` calls. The CPU time is the calling
+    thread's (`time.thread_time`): at one thread it is the whole step's, and it does not count
+    the time other processes hold the core, which wall time on a shared machine does."""
     fn()
-    ts = []
+    wall, cpu = [], []
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
 def profile(fn, n: int, rows: int) -> None:
@@ -124,20 +128,20 @@ def profile(fn, n: int, rows: int) -> None:
                        max_shapes_column_width=60))
 
 
-def case(model, kind: str, batch: int, args) -> tuple[float, float]:
+def case(model, kind: str, batch: int, args) -> None:
     from gptforge.generate.backend import TorchBackend
 
     with TorchBackend(model) as be:
         total = args.steps * (args.rounds + 2) + 8
         loop = StepLoop(be, total) if kind == "step" else EngineLoop(be, batch, total)
-        step = median_ms(loop, args.steps)
-        mm = median_ms(matmul_only(model, be, batch), args.steps)
-        print(f"{kind} batch {batch}, {torch.get_num_threads()} threads: {step:.2f} ms/step, matmuls alone "
-              f"{mm:.2f} ms, other {step - mm:.2f} ms ({(step - mm) / step:.0%}); load {os.getloadavg()[0]:.2f}",
+        step, step_cpu = median_ms(loop, args.steps)
+        mm, mm_cpu = median_ms(matmul_only(model, be, batch), args.steps)
+        print(f"{kind} batch {batch}, {torch.get_num_threads()} threads: wall {step:.2f} ms/step (matmuls alone "
+              f"{mm:.2f}); calling thread's CPU {step_cpu:.2f} ms/step (matmuls alone {mm_cpu:.2f}, other "
+              f"{step_cpu - mm_cpu:.2f} = {(step_cpu - mm_cpu) / step_cpu:.0%}); load {os.getloadavg()[0]:.2f}",
               flush=True)
         if not args.time_only:
             profile(loop, args.profile_steps, args.rows)
-    return step, mm
 
 
 def main(argv=None) -> int:
