@@ -20,6 +20,7 @@ dispatches.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -144,6 +145,62 @@ def case(model, kind: str, batch: int, args) -> None:
             profile(loop, args.profile_steps, args.rows)
 
 
+def _set_tree(mods: dict | None, src: str | None = None) -> dict:
+    """Make `mods` (a snapshot of `sys.modules`' gptforge entries) the imported gptforge, or
+    with `src` start a fresh import from that source directory; returns the previous snapshot."""
+    old = {k: m for k, m in sys.modules.items() if k == "gptforge" or k.startswith("gptforge.")}
+    for k in old:
+        del sys.modules[k]
+    sys.path[:] = [p for p in sys.path if p not in TREES]
+    if mods:
+        sys.modules.update(mods)
+    if src:
+        sys.path.insert(0, src)
+        TREES.add(src)
+        importlib.import_module("gptforge")
+    return old
+
+
+TREES: set[str] = set()
+
+
+def compare(args) -> None:
+    """Two source trees in one process, their decode steps alternated one by one (see --compare)."""
+    named = [("this tree", str(Path(__file__).resolve().parents[1] / "src")), ("other tree", args.compare)]
+    if args.compare_first:
+        named.reverse()
+    trees = []
+    for name, src in named:
+        _set_tree(None, src)
+        from gptforge.generate.backend import TorchBackend
+
+        model = build()
+        be = TorchBackend(model).__enter__()
+        total = args.steps + 8
+        loops = {("step", 1): StepLoop(be, total)} if "step" in args.loops else {}
+        if "engine" in args.loops:
+            loops.update({("engine", b): EngineLoop(be, b, total) for b in map(int, args.batches.split(","))})
+        mods = _set_tree(None)
+        trees.append((name, src, mods, loops))
+    print("trees: " + "; ".join(f"{n} = {s}" for n, s, _, _ in trees))
+    for key in trees[0][3]:
+        cpu: dict[str, list[float]] = {n: [] for n, *_ in trees}
+        wall: dict[str, list[float]] = {n: [] for n, *_ in trees}
+        for i in range(args.steps + 1):
+            for name, _, mods, loops in trees:
+                _set_tree(mods)
+                t, c = time.perf_counter(), time.thread_time()
+                loops[key]()
+                if i:  # the first step of each warms up
+                    cpu[name].append(time.thread_time() - c)
+                    wall[name].append(time.perf_counter() - t)
+        a, b = (statistics.median(cpu[n]) * 1e3 for n, *_ in trees)
+        wa, wb = (statistics.median(wall[n]) * 1e3 for n, *_ in trees)
+        print(f"{key[0]} batch {key[1]}, {torch.get_num_threads()} threads, {args.steps} alternated steps: "
+              f"CPU ms/step {trees[0][0]} {a:.2f}, {trees[1][0]} {b:.2f} (ratio {a / b:.3f}); wall {wa:.2f} / "
+              f"{wb:.2f} (ratio {wa / wb:.3f}); load {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -154,10 +211,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
     ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--loops", default="step,engine")
+    ap.add_argument("--compare", metavar="SRC", help="another checkout's src/ (e.g. a worktree of main): build "
+                    "both trees' models and engines in this process and alternate their decode steps one by "
+                    "one (the same weights; the ratio is this tree's time / the other's)")
+    ap.add_argument("--compare-first", action="store_true", help="build the other tree first")
     args = ap.parse_args(argv)
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}")
+    if args.compare:
+        for t in map(int, args.threads.split(",")):
+            torch.set_num_threads(t)
+            with torch.inference_mode():
+                for _ in range(args.rounds):
+                    compare(args)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
+        return 0
     model = build()
     cases = [(k, b) for k in args.loops.split(",") for b in ([1] if k == "step" else map(int, args.batches.split(",")))]
     for _ in range(args.rounds):

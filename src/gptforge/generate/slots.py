@@ -97,24 +97,20 @@ class RaggedBatch:
         self.position_ids = torch.tensor([pos], dtype=torch.long, device=device)
         self.logits_index = torch.tensor(want, dtype=torch.long, device=device)
         self.length = 0  # read by `hidden_states` as the shared start; positions are explicit here
-        self.sizes = [len(s.token_ids) for s in self.segments]
-        # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`); the
-        # same for every layer, so made once per step.
-        self.masks = [GPT.attention_mask(n, s.start, None, device)
-                      for n, s in zip(self.sizes, self.segments, strict=True)]
 
     def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
         """Store each sequence's new keys/values in its slot and attend over that slot only (a
         later segment of the same slot sees the keys an earlier one just wrote)."""
-        if len(self.sizes) == 1:
-            parts = ((q, k, v),)
-        else:  # one split per tensor rather than a slice per sequence
-            parts = zip(q.split(self.sizes, 2), k.split(self.sizes, 2), v.split(self.sizes, 2), strict=True)
-        outs = []
-        for s, n, (mask, causal), (qs, ks, vs) in zip(self.segments, self.sizes, self.masks, parts, strict=True):
-            s.slot.write(layer, s.start, ks, vs)
-            keys, values = s.slot.read(layer, s.start + n, q.dtype)
-            outs.append(core(qs, keys, values, mask, causal))
+        outs, o = [], 0
+        for s in self.segments:
+            n, start, slot = len(s.token_ids), s.start, s.slot
+            end = start + n
+            slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
+            keys, values = slot.read(layer, end, q.dtype)
+            # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
+            mask, causal = GPT.attention_mask(n, start, None, q.device)
+            outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))
+            o += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def commit(self) -> None:

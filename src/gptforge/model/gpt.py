@@ -86,19 +86,12 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x, mask=None, is_causal=True, cache: KVCache | None = None):
-        # Dropout is the identity in eval mode: skipping its module call saves two calls per
-        # layer of every decode step.
-        drop = self.dropout if self.training else _identity
-        x = x + drop(self.attn(self.norm1(x), mask, is_causal, cache))
+        x = x + self.dropout(self.attn(self.norm1(x), mask, is_causal, cache))
         h = self.norm2(x)
         if self.moe is not None:
-            return x + drop(self.moe(h))
+            return x + self.dropout(self.moe(h))
         # No dropout between GELU and linear2 (spec §1.1).
-        return x + drop(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+        return x + self.dropout(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
 
 
 # A block's Linear layers by their path inside the block, in the reference's counting order
@@ -200,8 +193,7 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).unsqueeze(0)
-        x = self.wte(input_ids) + self.wpe(position_ids)
-        x = self.drop(x) if self.training else x
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         mask, is_causal = self.attention_mask(T, start, attention_mask, input_ids.device)
         for blk in self.blocks:
             x = blk(x, mask, is_causal, cache)

@@ -81,9 +81,9 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store [B, h, T, d] keys/values of `layer` at positions start..start+T-1."""
         end = start + k.shape[2]
-        if self.k_scale is None:  # narrow + copy_: the cheapest dispatch of a decode step's write
-            self.k[layer].narrow(2, start, end - start).copy_(k)
-            self.v[layer].narrow(2, start, end - start).copy_(v)
+        if self.k_scale is None:
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
             return
         for q_buf, s_buf, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, scale = quantize_int8(x)
@@ -92,7 +92,7 @@ class KVCache:
 
     def read(self, layer: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions 0..end-1 of `layer` in `dtype` (views when stored in it)."""
-        k, v = self.k[layer].narrow(2, 0, end), self.v[layer].narrow(2, 0, end)
+        k, v = self.k[layer][:, :, :end], self.v[layer][:, :, :end]
         if self.k_scale is not None:
             return (dequantize_int8(k, self.k_scale[layer][:, :, :end], dtype),
                     dequantize_int8(v, self.v_scale[layer][:, :, :end], dtype))

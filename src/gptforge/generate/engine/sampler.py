@@ -80,8 +80,8 @@ class Sampler:
             groups.setdefault((id(s.processors), id(s.warpers), len(seq.prompt) + len(seq.generated) + len(extra)),
                               []).append(r)
         any_sampled = any(seq.sampling.warpers is not None for seq, _ in rows)
-        if len(groups) == 1:  # the group's processed copy is the scores (None until made)
-            scores = logits if not rows[0][0].sampling.processors else None
+        if len(groups) == 1 and not rows[0][0].sampling.processors:
+            scores = logits
         else:
             scores = torch.empty_like(logits)
         probs = torch.empty_like(logits) if any_sampled else None
@@ -96,9 +96,7 @@ class Sampler:
             sel = torch.tensor(idx, dtype=torch.long, device=logits.device)
             part = logits.index_select(0, sel) if len(idx) != logits.shape[0] else logits.clone()
             part = s0.processors(hist, part) if s0.processors else part
-            if scores is None:
-                scores = part
-            elif scores is not logits:
+            if scores is not logits:
                 scores[sel] = part
             if s0.warpers is not None:
                 probs[sel] = s0.warpers(hist, part.clone()).softmax(dim=-1)
