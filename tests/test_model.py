@@ -143,4 +143,3 @@ def test_block_linears_are_every_linear_of_the_blocks(moe):
     assert [n for n, _ in walked if n.endswith("linear2")] == [f"blocks.{i}.linear2" for i in dense]
     assert len(dense) == (3 if not moe else 2)
     assert walked[0][0] == f"blocks.0.{BLOCK_LINEARS[0]}" and BLOCK_LINEARS[0] == "attn.qkv_proj"
-
