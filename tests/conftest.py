@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -41,6 +42,18 @@ def _kernel_cache(tmp_path_factory):
         os.environ.pop("GPTFORGE_KERNEL_CACHE", None)
     else:
         os.environ["GPTFORGE_KERNEL_CACHE"] = saved
+
+
+@pytest.fixture
+def native_attention():
+    """The native CPU kernels (the decode attention among them) built; skipped only where no C++
+    compiler exists (elsewhere a failed build fails the test)."""
+    from gptforge.transforms import native_kernels
+
+    why = native_kernels.unavailable()
+    if why and not shutil.which("c++"):
+        pytest.skip(f"no C++ compiler here: {why}")
+    assert why is None, why
 
 
 @pytest.fixture(autouse=True)

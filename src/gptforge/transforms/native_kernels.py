@@ -33,7 +33,7 @@ ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
-SOURCES = ("weight_only_gemv.cpp",)
+SOURCES = ("weight_only_gemv.cpp", "decode_attention.cpp")
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"
@@ -155,3 +155,19 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ze
     [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32."""
     return getattr(torch.ops, _LIB).linear(x.contiguous(), w, scale, zero, bias, bits,
                                            ISA_CODES[path or isa()])
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, layer: int, starts: list[int],
+                     path: str | None = None) -> torch.Tensor:
+    """One new token per sequence: store row r's key/value ([R, heads, head_dim] fp32) in
+    `slots[r]` (a float32 or int8 `KVCache` of batch 1; its `layer`) at position `starts[r]`, then attend over
+    its positions 0..starts[r] (scale 1/sqrt(head_dim)): [R, heads, head_dim]. The caller has
+    checked `unavailable()`; `path` as in `weight_only_linear` (AVX-512 CPUs take the AVX2 path)."""
+    keys = [s.k[layer] for s in slots]
+    values = [s.v[layer] for s in slots]
+    int8 = slots[0].k_scale is not None
+    ks = [s.k_scale[layer] for s in slots] if int8 else []
+    vs = [s.v_scale[layer] for s in slots] if int8 else []
+    return getattr(torch.ops, _LIB).decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), keys, values,
+                                                     ks, vs, starts, q.shape[-1] ** -0.5,
+                                                     ISA_CODES[path or isa()])
