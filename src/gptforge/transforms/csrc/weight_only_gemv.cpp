@@ -22,13 +22,18 @@
 
 #include <immintrin.h>
 
+#include "cpu_isa.h"
+
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
+using gptforge_wo::cpu_has;
+using gptforge_wo::kAvx2;
+using gptforge_wo::kAvx512;
+using gptforge_wo::kScalar;
 constexpr int kMaxRows = 8;  // batch rows one call handles; the caller falls back above
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 struct Problem {
   const float* x;        // [M, K] (int4: permuted, see permute_x)
@@ -254,14 +259,6 @@ at::Tensor permute_x(const at::Tensor& x, int64_t g, int64_t V) {
     }
   }
   return out;
-}
-
-bool cpu_has(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == kAvx512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                             __builtin_cpu_supports("fma");
-  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return isa == kScalar;
 }
 
 int64_t cpu_isa() { return cpu_has(kAvx512) ? kAvx512 : cpu_has(kAvx2) ? kAvx2 : kScalar; }
