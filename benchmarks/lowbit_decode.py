@@ -13,9 +13,10 @@ decode time after the prompt. The engines, all at the same thread count:
 - gptforge int8: the real INT8 model (`gptforge ptq` + `quantize --convert`: per-channel int8
   weights, static int8 activations, int8 embedding / head) through the same loop;
 - gptforge wo-int8 / wo-int4: `gptforge quantize --weights int8|int4` of the same weights (int8
-  per row; int4 symmetric groups of 64; the head int8 in the same groups), each twice: `native`
+  per row; int4 symmetric groups of 64; the head int8 in the same groups), each three ways: `native`
   (gptforge's own kernels, today's `auto`) and `before` (`GPTFORGE_WEIGHT_KERNEL=packed`: the
-  choice `auto` made before them, PyTorch's packed kernels where exact, else dequantize);
+  choice `auto` made before them, PyTorch's packed kernels where exact, else dequantize), and
+  `native-q8a` (the opt-in variant with int8 activations per 32 columns, llama.cpp's scheme);
 - llama.cpp (llama-cpp-python) on `gptforge export --format gguf` files: f32, f16, q8_0, q4_0
   (q4_0 keeps the tied head at q8_0); its default f16 KV cache; `eval` of one token per step
   and an argmax over its logits, as ours.
@@ -123,7 +124,7 @@ def _turn(name: str, eng, prompt, ids, n: int) -> list[float]:
     """One engine's per-token decode seconds for `n` greedy tokens."""
     if not name.startswith("gptforge"):
         return llama_times(eng, ids, n)[1]
-    with kernel_env("packed" if name.endswith("before") else None):
+    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(name.split()[-1])):
         return decode_times(eng, prompt, n, True)[1]
 
 
@@ -179,7 +180,8 @@ def report(preset: str, rows, args) -> None:
     pairs = (("gptforge fp32", "llama.cpp f32"), ("gptforge int8", "llama.cpp q8_0"),
              ("gptforge wo-int8 native", "llama.cpp q8_0"), ("gptforge wo-int4 native", "llama.cpp q4_0"),
              ("gptforge wo-int8 native", "gptforge wo-int8 before"), ("gptforge wo-int4 native", "gptforge wo-int4 before"),
-             ("gptforge wo-int4 native", "gptforge int8"))
+             ("gptforge wo-int4 native", "gptforge int8"), ("gptforge wo-int8 native-q8a", "llama.cpp q8_0"),
+             ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"))
     print()
     for ours, theirs in pairs:
         if ours in tps and theirs in tps:
@@ -201,7 +203,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for both engines")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
-    ap.add_argument("--wo-kernels", nargs="*", default=["native", "before"], choices=["native", "before"],
+    ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
+                    choices=["native", "native-q8a", "before"],
                     help="weight-only kernels to run (none: no weight-only models)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

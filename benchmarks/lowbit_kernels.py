@@ -8,7 +8,7 @@ Shapes (in x out): 768x3072 (c_fc), 3072x768 (c_proj), 768x50257 (the LM head). 
 rounded to nearest; int8 one scale per row, int4 symmetric in groups of 64. Every kernel runs in
 each round (interleaved: load from other processes hits all alike); reported: the median of the
 per-round medians in microseconds and the weight bytes each streamed per microsecond (GB/s).
-A bandwidth probe (the sum of a 256 MB fp32 tensor, read once per call) bounds what streaming
+`native-q8a`: the opt-in variant with int8 activations (integer dot products). A bandwidth probe (the sum of a 256 MB fp32 tensor, read once per call) bounds what streaming
 weights can reach; the int4 "weight-streaming limit" of a decode step is its bytes over that.
 `--rows`: the same kernels at batch M (`native` vs the path `auto` takes above it).
 """
@@ -62,6 +62,10 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
         out["native int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8), q8.numel() + 4 * n)
         out["native int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4),
                                   p4.numel() + 4 * s4.numel())
+        out["native-q8a int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8, None, True),
+                                  q8.numel() + 4 * n)
+        out["native-q8a int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4, None, True),
+                                      p4.numel() + 4 * s4.numel())
     if fbgemm_available():  # the real INT8 model's path: `split` rows (2 per row; the head's 2 digits: 4)
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
         pk = fbgemm_prepack(q8, s8[:, 0])

@@ -135,6 +135,11 @@ def cpu_isa() -> str:
 def isa() -> str:
     """The path the kernels take: $GPTFORGE_NATIVE_ISA, else the CPU's best. UsageError where the
     variable asks for one this CPU lacks (it would crash on an illegal instruction)."""
+    return _isa(os.environ.get(ISA_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _isa(_env: str | None) -> str:
     req, best = requested_isa(), cpu_isa()
     if req == "auto":
         return best

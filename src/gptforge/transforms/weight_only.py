@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,7 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("act_scale", torch.ones(in_features, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._kernel_weight, self._kernel_key = None, None
+        self._kernel_choice: dict[tuple, str] = {}
 
     @classmethod
     @torch.no_grad()
@@ -215,7 +217,17 @@ class WeightOnlyLinear(nn.Module):
         return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring)."""
+        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring).
+        Remembered per layer for what decides it (the forcing variables, batch rows up to the
+        native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
+        key = (self.kernel, os.environ.get(KERNEL_ENV), os.environ.get(native_kernels.ISA_ENV),
+               min(x.shape[0], NATIVE_MAX_ROWS + 1), x.dtype, x.device.type)
+        got = self._kernel_choice.get(key)
+        if got is None:
+            got = self._kernel_choice[key] = self._choose_kernel(x)
+        return got
+
+    def _choose_kernel(self, x: torch.Tensor) -> str:
         req = requested_kernel(self.kernel)
         if req.startswith("native"):
             why = native_kernels.unavailable()
