@@ -161,3 +161,55 @@ def test_a_new_process_reuses_the_built_library(built):
                        env={**os.environ, "PYTHONPATH": src})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == built and "building" not in r.stderr
+
+
+# ----------------------------------------------------------------------- opt-in integer-dot variant
+
+
+def _q8a_reference(x, q, s, z, group, bits):
+    """The variant's definition in exact integers: x rounded per block of 32 (step max|x|/127, half
+    to even), each block's integer dot product with q - zero, scaled by its step and the group's."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0  # fp32, as the kernel divides
+    xq = torch.where(d[..., None] > 0, torch.round(xb / d[..., None].clamp_min(1e-38)), torch.zeros_like(xb))
+    g = group or k
+    zz = (z if z is not None else torch.zeros_like(s)).to(torch.int64).repeat_interleave(g, 1)
+    qz = q.to(torch.int64) - zz  # [n, k]
+    dots = torch.einsum("mbj,nbj->mnb", xq.to(torch.int64), qz.reshape(-1, k // 32, 32))  # exact integers
+    sc = s.double().repeat_interleave(g // 32, 1)  # [n, blocks]
+    return xq.to(torch.int8).reshape(m, k), d, (dots.double() * d.double()[:, None, :] * sc[None]).sum(-1)
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("bits,group,sym,k,n", [(8, 0, True, 96, 40), (8, 32, False, 128, 9), (4, 32, True, 128, 33),
+                                                (4, 64, False, 192, 16), (4, 0, True, 64, 5)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8a_equals_its_integer_reference(built, path, bits, group, sym, k, n, rows):
+    _runnable(path, built)
+    w = torch.randn(n, k)
+    q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # an all-zero block: step 0
+    zero = None if sym else z.to(torch.int8)
+    xq, d, ref = _q8a_reference(x, q, s, zero, group, bits)
+    got_q, got_d = native_kernels.quantize_q8a(x)
+    assert torch.equal(got_q, xq) and torch.equal(got_d, d)
+    b = torch.randn(n)
+    y = native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, zero, b, bits, path,
+                                          q8_activations=True)
+    ref = ref + b.double()
+    size = (xq.abs().double() * d.repeat_interleave(32, 1)) @ (q.abs().double() + 8).T * s.abs().max()
+    assert bool(((y.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6 * size + 1e-7).all())
+
+
+def test_q8a_is_opt_in_and_needs_whole_blocks(monkeypatch, built):
+    lin = WeightOnlyLinear.from_float(torch.randn(16, 64), None, 4, 32, True)
+    assert lin.kernel_for(torch.randn(1, 64)) == "native"  # auto never rounds activations
+    monkeypatch.setenv(KERNEL_ENV, "native-q8a")
+    assert lin.kernel_for(torch.randn(1, 64)) == "native-q8a"
+    odd = WeightOnlyLinear.from_float(torch.randn(16, 48), None, 8, 0, True)  # 48 columns: not whole blocks
+    assert odd.kernel_for(torch.randn(1, 48)) == "native"
+    x = torch.randn(2, 64)
+    _, _, ref = _q8a_reference(x, lin.ints(), lin.weight_scale, None, 32, 4)
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5)

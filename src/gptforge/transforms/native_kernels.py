@@ -33,7 +33,7 @@ ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
-SOURCES = ("weight_only_gemv.cpp", "decode_attention.cpp")
+SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp")
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"
@@ -50,8 +50,8 @@ def cache_root() -> Path:
 def build_dir() -> Path:
     """This torch version's and these sources' build directory."""
     h = hashlib.sha256(" ".join(CFLAGS).encode())
-    for name in SOURCES:
-        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
+    for f in sorted(_CSRC.iterdir()):  # the sources and their headers
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return cache_root() / f"torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
 
@@ -135,6 +135,11 @@ def cpu_isa() -> str:
 def isa() -> str:
     """The path the kernels take: $GPTFORGE_NATIVE_ISA, else the CPU's best. UsageError where the
     variable asks for one this CPU lacks (it would crash on an illegal instruction)."""
+    return _isa(os.environ.get(ISA_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _isa(_env: str | None) -> str:
     req, best = requested_isa(), cpu_isa()
     if req == "auto":
         return best
@@ -150,11 +155,19 @@ def max_rows() -> int:
 
 
 def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       bias: torch.Tensor | None, bits: int, path: str | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None, bits: int, path: str | None = None,
+                       q8_activations: bool = False) -> torch.Tensor:
     """x [M, K] fp32 (M <= max_rows()) times the weight-only matrix (int8 [N, K] or packed int4
-    [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32."""
-    return getattr(torch.ops, _LIB).linear(x.contiguous(), w, scale, zero, bias, bits,
-                                           ISA_CODES[path or isa()])
+    [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32.
+    `q8_activations`: the opt-in integer-dot variant (x rounded to int8 per block of 32 columns,
+    `quantize_q8a`; groups of a multiple of 32 columns)."""
+    op = getattr(torch.ops, _LIB).linear_q8a if q8_activations else getattr(torch.ops, _LIB).linear
+    return op(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
+
+
+def quantize_q8a(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations the integer-dot variant multiplies: (int8 [M, K], step [M, K/32])."""
+    return tuple(getattr(torch.ops, _LIB).quantize_q8a(x.contiguous()))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, layer: int, starts: list[int],

@@ -7,6 +7,9 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 - `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use)
   for int8 / int4 layers and batches of up to `NATIVE_MAX_ROWS` rows (decode): the stored bytes
   read directly, fp32 accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
+- `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per
+  block of 32 columns and exact integer dot products (llama.cpp's q8 activations), for groups of
+  a multiple of 32 columns: faster, not the float product (`native` for other layers).
 - `packed`: PyTorch's packed CPU kernels, `aten._weight_int8pack_mm` (int8, symmetric, one
   scale per row) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32..256, rows a
   multiple of 16), where a one-time probe finds them exact on this CPU against integer
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +46,7 @@ from gptforge.transforms.cpu_kernels import _probe_operands, _requested
 
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
-KERNELS = ("auto", "native", "packed", "bf16", "fp32")
+KERNELS = ("auto", "native", "native-q8a", "packed", "bf16", "fp32")
 NATIVE_MAX_ROWS = 8  # batch rows up to which `auto` takes `native` (measured: benchmarks/results/2026-11-25-lowbit-kernels.md)
 INT4_PACK_GROUPS = (32, 64, 128, 256)
 
@@ -170,6 +174,7 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("act_scale", torch.ones(in_features, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._kernel_weight, self._kernel_key = None, None
+        self._kernel_choice: dict[tuple, str] = {}
 
     @classmethod
     @torch.no_grad()
@@ -212,16 +217,29 @@ class WeightOnlyLinear(nn.Module):
         return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """`native`, `packed`, `bf16` or `fp32`: the path this call takes (see the module docstring)."""
+        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring).
+        Remembered per layer for what decides it (the forcing variables, batch rows up to the
+        native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
+        key = (self.kernel, os.environ.get(KERNEL_ENV), os.environ.get(native_kernels.ISA_ENV),
+               min(x.shape[0], NATIVE_MAX_ROWS + 1), x.dtype, x.device.type)
+        got = self._kernel_choice.get(key)
+        if got is None:
+            got = self._kernel_choice[key] = self._choose_kernel(x)
+        return got
+
+    def _choose_kernel(self, x: torch.Tensor) -> str:
         req = requested_kernel(self.kernel)
-        if req == "native":
+        if req.startswith("native"):
             why = native_kernels.unavailable()
             if why:
-                raise UsageError(f"{KERNEL_ENV}=native: gptforge's CPU kernels are unavailable here ({why}); "
+                raise UsageError(f"{KERNEL_ENV}={req}: gptforge's CPU kernels are unavailable here ({why}); "
                                  "unset it to use the built-in kernels")
-        if req in ("auto", "native") and self._native_fits(x) and not native_kernels.unavailable():
+        fits = self._native_fits(x)
+        if req == "native-q8a" and fits and (self.group_size or self.in_features) % 32 == 0:
+            return "native-q8a"
+        if (req == "auto" or req.startswith("native")) and fits and not native_kernels.unavailable():
             return "native"
-        if req in ("auto", "native", "packed") and self._packable(x) and packed_is_exact(self.bits):
+        if req in ("auto", "native", "native-q8a", "packed") and self._packable(x) and packed_is_exact(self.bits):
             return "packed"
         if req == "fp32" or (req != "bf16" and not native_bf16()):
             return "fp32"
@@ -257,9 +275,10 @@ class WeightOnlyLinear(nn.Module):
         if hasattr(self, "act_scale"):
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
-        if kern == "native":
+        if kern.startswith("native"):
             zero = None if self.sym else self.weight_zero
-            y = native_kernels.weight_only_linear(x2, self.weight, self.weight_scale, zero, bias, self.bits).to(x.dtype)
+            y = native_kernels.weight_only_linear(x2, self.weight, self.weight_scale, zero, bias, self.bits,
+                                                  q8_activations=kern == "native-q8a").to(x.dtype)
             return y.reshape(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])

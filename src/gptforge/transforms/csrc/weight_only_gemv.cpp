@@ -22,13 +22,18 @@
 
 #include <immintrin.h>
 
+#include "cpu_isa.h"
+
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
+using gptforge_wo::cpu_has;
+using gptforge_wo::kAvx2;
+using gptforge_wo::kAvx512;
+using gptforge_wo::kScalar;
 constexpr int kMaxRows = 8;  // batch rows one call handles; the caller falls back above
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 struct Problem {
   const float* x;        // [M, K] (int4: permuted, see permute_x)
@@ -90,45 +95,60 @@ GF_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One row's group: C independent accumulators per batch row hide the FMA latency at small M.
+// acc[m] += x[m, k:k+8] * (q - off) for one chunk of 8 int8 weights.
+template <int M>
+GF_AVX2 inline void chunk8_avx2(const Problem& p, const uint8_t* row, int64_t k, __m256i voff, __m256* acc) {
+  const __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+  const __m256 wf = _mm256_cvtepi32_ps(_mm256_sub_epi32(qi, voff));
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + m * p.K + k), wf, acc[m]);
+}
+
+// The same for 16 int4 weights (8 bytes): even columns into a0, odd ones into a1 (x permuted).
+template <int M>
+GF_AVX2 inline void chunk16_avx2(const Problem& p, const uint8_t* row, int64_t k, __m128i voff, __m256* a0,
+                                 __m256* a1) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, lo4), voff);  // nibble - offset: within int8
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), voff);
+  const __m256 wl = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  const __m256 wh = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  for (int m = 0; m < M; ++m) {
+    const float* xk = p.x + m * p.K + k;
+    a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xk), wl, a0[m]);
+    a1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), wh, a1[m]);
+  }
+}
+
+// One row's group. A independent accumulators per batch row hide the FMA latency at small M
+// (the loops over them have constant bounds: unrolled, the accumulators stay in registers).
 template <int M, int BITS>
 GF_AVX2 inline void group_avx2(const Problem& p, const uint8_t* row, int64_t k0, int off, float s,
                                 __m256* tot, float* tail) {
-  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
-  __m256 acc[M][C];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps();
+  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  __m256 acc[A][M];
+  for (int a = 0; a < A; ++a)
+    for (int m = 0; m < M; ++m) acc[a][m] = _mm256_setzero_ps();
   int64_t k = k0;
   const int64_t end = k0 + p.g;
-  int c = 0;
   if (BITS == 8) {
     const __m256i voff = _mm256_set1_epi32(off);
-    for (; k + 8 <= end; k += 8, c = (c + 1) % C) {
-      __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
-      const __m256 wf = _mm256_cvtepi32_ps(_mm256_sub_epi32(qi, voff));
-      for (int m = 0; m < M; ++m) acc[m][c] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + m * p.K + k), wf, acc[m][c]);
-    }
+    for (; k + 8 * A <= end; k += 8 * A)
+      for (int a = 0; a < A; ++a) chunk8_avx2<M>(p, row, k + 8 * a, voff, acc[a]);
+    for (; k + 8 <= end; k += 8) chunk8_avx2<M>(p, row, k, voff, acc[0]);
   } else {
-    const __m128i lo4 = _mm_set1_epi8(0x0F), voff = _mm_set1_epi8(static_cast<char>(off));
-    for (; k + 16 <= end; k += 16, c = (c + 1) % C) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
-      const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, lo4), voff);  // even columns, minus offset
-      const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), voff);
-      const __m256 wl = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-      const __m256 wh = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-      for (int m = 0; m < M; ++m) {
-        const float* xk = p.x + m * p.K + k;
-        acc[m][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xk), wl, acc[m][c]);
-        acc[m][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), wh, acc[m][c]);
-      }
-    }
+    constexpr int U = A > 1 ? A / 2 : 1;  // chunks of 16 per step, two accumulators each
+    const __m128i voff = _mm_set1_epi8(static_cast<char>(off));
+    for (; k + 16 * U <= end; k += 16 * U)
+      for (int u = 0; u < U; ++u) chunk16_avx2<M>(p, row, k + 16 * u, voff, acc[(2 * u) % A], acc[(2 * u + 1) % A]);
+    for (; k + 16 <= end; k += 16) chunk16_avx2<M>(p, row, k, voff, acc[0], acc[A - 1]);
   }
   const __m256 vs = _mm256_set1_ps(s);
   for (int m = 0; m < M; ++m) {
-    __m256 a = acc[m][0];
-    for (int cc = 1; cc < C; ++cc) a = _mm256_add_ps(a, acc[m][cc]);
+    __m256 a = acc[0][m];
+    for (int aa = 1; aa < A; ++aa) a = _mm256_add_ps(a, acc[aa][m]);
     tot[m] = _mm256_fmadd_ps(a, vs, tot[m]);
-    float part = 0.f;  // columns past the last whole block: x in column order there
+    float part = 0.f;  // columns past the last whole chunk: x in column order there
     for (int64_t kk = k; kk < end; ++kk)
       part += p.x[m * p.K + kk] * static_cast<float>(stored_int(p, row, kk) - off);
     tail[m] += part * s;
@@ -154,42 +174,57 @@ GF_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
 
 #define GF_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
+template <int M>
+GF_AVX512 inline void chunk16_int8_avx512(const Problem& p, const uint8_t* row, int64_t k, __m512i voff,
+                                          __m512* acc) {
+  const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+  const __m512 wf = _mm512_cvtepi32_ps(_mm512_sub_epi32(qi, voff));
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(p.x + m * p.K + k), wf, acc[m]);
+}
+
+template <int M>
+GF_AVX512 inline void chunk32_int4_avx512(const Problem& p, const uint8_t* row, int64_t k, __m128i voff,
+                                          __m512* a0, __m512* a1) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, lo4), voff);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), voff);
+  const __m512 wl = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+  const __m512 wh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+  for (int m = 0; m < M; ++m) {
+    const float* xk = p.x + m * p.K + k;
+    a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk), wl, a0[m]);
+    a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + 16), wh, a1[m]);
+  }
+}
+
+// As group_avx2, twice as wide (int8 chunks of 16 columns, int4 chunks of 32).
 template <int M, int BITS>
 GF_AVX512 inline void group_avx512(const Problem& p, const uint8_t* row, int64_t k0, int off, float s,
                                    __m512* tot, float* tail) {
-  constexpr int C = M == 1 ? 4 : M == 2 ? 2 : 1;
-  __m512 acc[M][C];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  __m512 acc[A][M];
+  for (int a = 0; a < A; ++a)
+    for (int m = 0; m < M; ++m) acc[a][m] = _mm512_setzero_ps();
   int64_t k = k0;
   const int64_t end = k0 + p.g;
-  int c = 0;
   if (BITS == 8) {
     const __m512i voff = _mm512_set1_epi32(off);
-    for (; k + 16 <= end; k += 16, c = (c + 1) % C) {
-      __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
-      const __m512 wf = _mm512_cvtepi32_ps(_mm512_sub_epi32(qi, voff));
-      for (int m = 0; m < M; ++m) acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(p.x + m * p.K + k), wf, acc[m][c]);
-    }
+    for (; k + 16 * A <= end; k += 16 * A)
+      for (int a = 0; a < A; ++a) chunk16_int8_avx512<M>(p, row, k + 16 * a, voff, acc[a]);
+    for (; k + 16 <= end; k += 16) chunk16_int8_avx512<M>(p, row, k, voff, acc[0]);
   } else {
-    const __m128i lo4 = _mm_set1_epi8(0x0F), voff = _mm_set1_epi8(static_cast<char>(off));
-    for (; k + 32 <= end; k += 32, c = (c + 1) % C) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-      const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, lo4), voff);
-      const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), voff);
-      const __m512 wl = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-      const __m512 wh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-      for (int m = 0; m < M; ++m) {
-        const float* xk = p.x + m * p.K + k;
-        acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(xk), wl, acc[m][c]);
-        acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + 16), wh, acc[m][c]);
-      }
-    }
+    constexpr int U = A > 1 ? A / 2 : 1;
+    const __m128i voff = _mm_set1_epi8(static_cast<char>(off));
+    for (; k + 32 * U <= end; k += 32 * U)
+      for (int u = 0; u < U; ++u)
+        chunk32_int4_avx512<M>(p, row, k + 32 * u, voff, acc[(2 * u) % A], acc[(2 * u + 1) % A]);
+    for (; k + 32 <= end; k += 32) chunk32_int4_avx512<M>(p, row, k, voff, acc[0], acc[A - 1]);
   }
   const __m512 vs = _mm512_set1_ps(s);
   for (int m = 0; m < M; ++m) {
-    __m512 a = acc[m][0];
-    for (int cc = 1; cc < C; ++cc) a = _mm512_add_ps(a, acc[m][cc]);
+    __m512 a = acc[0][m];
+    for (int aa = 1; aa < A; ++aa) a = _mm512_add_ps(a, acc[aa][m]);
     tot[m] = _mm512_fmadd_ps(a, vs, tot[m]);
     float part = 0.f;
     for (int64_t kk = k; kk < end; ++kk)
@@ -254,14 +289,6 @@ at::Tensor permute_x(const at::Tensor& x, int64_t g, int64_t V) {
     }
   }
   return out;
-}
-
-bool cpu_has(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == kAvx512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                             __builtin_cpu_supports("fma");
-  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return isa == kScalar;
 }
 
 int64_t cpu_isa() { return cpu_has(kAvx512) ? kAvx512 : cpu_has(kAvx2) ? kAvx2 : kScalar; }
