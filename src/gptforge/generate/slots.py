@@ -154,9 +154,10 @@ class RaggedSlots:
     def __init__(self, backend, native: bool | None = None):
         self.backend = backend
         self.device = backend.device
-        # Built (once) here, not at the first decode step. None: where the kernels run.
-        self.native = native_kernels.unavailable() is None if native is None else native
-        self.native = self.native and torch.device(self.device).type == "cpu"
+        # The native decode attention where it runs (`native`: None or True), built (once) here
+        # rather than at the first decode step; False: the classic per-sequence attention.
+        self.native = (native is not False and torch.device(self.device).type == "cpu"
+                       and native_kernels.unavailable() is None)
 
     def new_slot(self, capacity: int):
         return self.backend.new_slot(capacity)
