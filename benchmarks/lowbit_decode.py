@@ -12,19 +12,26 @@ decode time after the prompt. The engines, all at the same thread count:
   weights: `Generation.fast_cpu_decode`);
 - gptforge int8: the real INT8 model (`gptforge ptq` + `quantize --convert`: per-channel int8
   weights, static int8 activations, int8 embedding / head) through the same loop;
+- gptforge wo-int8 / wo-int4: `gptforge quantize --weights int8|int4` of the same weights (int8
+  per row; int4 symmetric groups of 64; the head int8 in the same groups), each three ways: `native`
+  (gptforge's own kernels, today's `auto`) and `before` (`GPTFORGE_WEIGHT_KERNEL=packed`: the
+  choice `auto` made before them, PyTorch's packed kernels where exact, else dequantize), and
+  `native-q8a` (the opt-in variant with int8 activations per 32 columns, llama.cpp's scheme);
 - llama.cpp (llama-cpp-python) on `gptforge export --format gguf` files: f32, f16, q8_0, q4_0
   (q4_0 keeps the tied head at q8_0); its default f16 KV cache; `eval` of one token per step
   and an argmax over its logits, as ours.
 
-gptforge has no bf16-weight decode path yet, so llama.cpp's f16 figure stands alone. Rounds
-interleave every engine (load from other processes hits all alike); reported: median of the
-per-round medians, and the spread (min-max of the round medians), with the load average before
-and after and the CPU name.
+llama.cpp's f16 figure stands alone. Rounds interleave every engine (load from other processes
+hits all alike); reported: median of the per-round medians, and the spread (min-max of the round
+medians), with the load average before and after and the CPU name. The int4 weight-streaming
+limit: the int4 model's weight bytes read per token over a bandwidth probe's GB/s (see
+`lowbit_kernels.py`), measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -39,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_speed import cpu_name, decode_times  # noqa: E402 - the shared decode loop and CPU line
+from lowbit_kernels import bandwidth_gbs  # noqa: E402 - the shared bandwidth probe
 
 LLAMA_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
@@ -69,6 +77,27 @@ def int8_model(model, vocab: int, seed: int = 1):
     return m
 
 
+def weight_only_model(model, bits: int):
+    """`gptforge quantize --weights int8|int4` (round to nearest, its default grouping) of `model`."""
+    from gptforge.transforms.weight_only import WeightOnlySpec, quantize_rtn_model
+
+    return quantize_rtn_model(copy.deepcopy(model), WeightOnlySpec(bits=bits, group_size=64 if bits == 4 else 0))
+
+
+@contextlib.contextmanager
+def kernel_env(value: str | None):
+    """GPTFORGE_WEIGHT_KERNEL=value for one engine's turn (None: unset, `auto`)."""
+    old = os.environ.pop("GPTFORGE_WEIGHT_KERNEL", None)
+    if value:
+        os.environ["GPTFORGE_WEIGHT_KERNEL"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("GPTFORGE_WEIGHT_KERNEL", None)
+        if old is not None:
+            os.environ["GPTFORGE_WEIGHT_KERNEL"] = old
+
+
 def _last_logits(llm) -> np.ndarray:
     import llama_cpp
 
@@ -91,6 +120,14 @@ def llama_times(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[fl
     return prefill, steps
 
 
+def _turn(name: str, eng, prompt, ids, n: int) -> list[float]:
+    """One engine's per-token decode seconds for `n` greedy tokens."""
+    if not name.startswith("gptforge"):
+        return llama_times(eng, ids, n)[1]
+    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(name.split()[-1])):
+        return decode_times(eng, prompt, n, True)[1]
+
+
 def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:
     """[(engine, per-round median seconds per token, weight bytes)] for one model shape."""
     import llama_cpp
@@ -106,6 +143,10 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
     engines: dict[str, tuple[object, int]] = {"gptforge fp32": (model, state_bytes(model))}
     q = int8_model(model, tok.vocab_size)
     engines["gptforge int8"] = (q, state_bytes(q))
+    for bits in (8, 4):
+        wo = weight_only_model(model, bits)
+        for kern in args.wo_kernels:
+            engines[f"gptforge wo-int{bits} {kern}"] = (wo, state_bytes(wo))
     for t in args.llama_types:
         path = tmp / f"{preset}_{t}.gguf"
         r = save_gguf(model, path, tok, t, model_cfg=cfg.Model)
@@ -114,13 +155,11 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
         engines[f"llama.cpp {t}"] = (llm, r.bytes)
     ids = prompt[0].tolist()
     for name, (eng, _) in engines.items():  # warm-up: first-call packing, page faults of the mapped file
-        decode_times(eng, prompt, 2, True) if name.startswith("gptforge") else llama_times(eng, ids, 2)
+        _turn(name, eng, prompt, ids, 2)
     rounds: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(args.rounds):
         for name, (eng, _) in engines.items():
-            steps = (decode_times(eng, prompt, args.new_tokens, True)[1] if name.startswith("gptforge")
-                     else llama_times(eng, ids, args.new_tokens)[1])
-            rounds[name].append(statistics.median(steps))
+            rounds[name].append(statistics.median(_turn(name, eng, prompt, ids, args.new_tokens)))
     for name, (eng, _) in engines.items():
         if not name.startswith("gptforge"):
             eng.close()
@@ -135,13 +174,25 @@ def report(preset: str, rows, args) -> None:
     for name, per_round, nbytes in rows:
         med = statistics.median(per_round)
         lo, hi = 1 / max(per_round), 1 / min(per_round)
-        print(f"| {name.split()[0]} | {name.split()[1]} | {1 / med:.1f} | {lo:.1f}-{hi:.1f} | {med * 1e3:.1f} | "
+        print(f"| {name.split()[0]} | {' '.join(name.split()[1:])} | {1 / med:.1f} | {lo:.1f}-{hi:.1f} | {med * 1e3:.1f} | "
               f"{nbytes / 1e6:.0f} |")
     tps = {name: 1 / statistics.median(r) for name, r, _ in rows}
-    pairs = (("fp32", "f32"), ("int8", "q8_0"))
+    pairs = (("gptforge fp32", "llama.cpp f32"), ("gptforge int8", "llama.cpp q8_0"),
+             ("gptforge wo-int8 native", "llama.cpp q8_0"), ("gptforge wo-int4 native", "llama.cpp q4_0"),
+             ("gptforge wo-int8 native", "gptforge wo-int8 before"), ("gptforge wo-int4 native", "gptforge wo-int4 before"),
+             ("gptforge wo-int4 native", "gptforge int8"), ("gptforge wo-int8 native-q8a", "llama.cpp q8_0"),
+             ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"))
+    print()
     for ours, theirs in pairs:
-        if f"gptforge {ours}" in tps and f"llama.cpp {theirs}" in tps:
-            print(f"\ngptforge {ours} / llama.cpp {theirs}: {tps[f'gptforge {ours}'] / tps[f'llama.cpp {theirs}']:.2f}x")
+        if ours in tps and theirs in tps:
+            print(f"- {ours} / {theirs}: {tps[ours] / tps[theirs]:.2f}x")
+    wo4 = [(r, b) for name, r, b in rows if name == "gptforge wo-int4 native"]
+    if wo4:
+        bw = bandwidth_gbs()
+        limit = bw * 1e9 / wo4[0][1]
+        print(f"- int4 weight-streaming limit: {wo4[0][1] / 1e6:.0f} MB per token at {bw:.1f} GB/s (probe, "
+              f"{torch.get_num_threads()} threads) = {limit:.1f} tok/s; gptforge wo-int4 native reaches "
+              f"{tps['gptforge wo-int4 native'] / limit:.0%} of it")
 
 
 def main() -> int:
@@ -152,6 +203,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for both engines")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
+    ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
+                    choices=["native", "native-q8a", "before"],
+                    help="weight-only kernels to run (none: no weight-only models)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     try:

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+INT8_SERVER = "gptforge serve, INT8 weights + int8 KV cache"
 PROMPT_WORDS = [16, 32, 64]  # roughly tokens: the words are common single-token words
 OUTPUTS = [32, 48, 64]
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "are", "which", "or", "had", "it", "be", "this", "not", "but", "have", "were", "her", "one", "all", "they", "their", "been", "has", "who", "when", "more", "there", "can", "its", "into", "other", "time", "would", "some", "him", "so", "only", "over", "new", "she", "what", "years", "first", "may", "after", "two", "these", "also", "could"]
@@ -82,6 +83,33 @@ def make_models(tmp: Path) -> tuple[Path, Path]:
     save_model_dir(model, cfg, ours, gpt2_tokenizer())
     save_hf_dir(model, cfg, hf, gpt2_tokenizer())
     return ours, hf
+
+
+def make_int8(tmp: Path, ours: Path) -> Path:
+    """The same weights as a real INT8 model (int8 Linears, static int8 activations, int8
+    embedding / head): calibrated PTQ-style on random tokens, then `quantize --convert`'s code."""
+    import dataclasses
+
+    import torch
+
+    from gptforge.compress.int8_convert import convert_checkpoint
+    from gptforge.compress.ptq import calibrate
+    from gptforge.config.schema import QuantizationConfig
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.model_io import load_model, save_model_dir
+    from gptforge.transforms.quant import quantize_model
+
+    model, cfg = load_model(ours, device="cpu")
+    q = QuantizationConfig(enable=True, weight_quantize_type="channel_wise_abs_max",
+                           activation_preprocess_type="PACT", quantize_embedding=True)
+    fake = quantize_model(model.eval(), q)
+    g = torch.Generator().manual_seed(1)
+    calibrate(fake, [torch.randint(0, 50257, (2, 128), generator=g)], "abs_max")
+    cfg = dataclasses.replace(cfg, Compress=dataclasses.replace(cfg.Compress, Quantization=q))
+    fq, out = tmp / "gpt2-124m-fq", tmp / "gpt2-124m-int8"
+    save_model_dir(fake, cfg, fq, gpt2_tokenizer())
+    convert_checkpoint(fq, out, int8_embedding=True, check=False, echo=False)
+    return out
 
 
 @contextlib.contextmanager
@@ -186,6 +214,13 @@ def run_all(args) -> str:
             ("transformers serve --continuous-batching", [tf_bin, "serve", str(hf), "--continuous-batching",
                                                           "--device", "cpu", "--dtype", "float32"], str(hf), levels),
         ]
+        if args.int8:
+            int8 = make_int8(tmp, ours)
+            setups.insert(1, (INT8_SERVER, [py, "-m", "gptforge", "serve", "--ckpt", str(int8), "--max-batch-size", "64",
+                                            "--max-queue", "1024", "--kv-cache-dtype", "int8", "--log-level",
+                                            "warning"], "gpt2-124m-int8", levels))
+        if args.skip_one:
+            setups = [x for x in setups if "one request at a time" not in x[0]]
         for name, cmd, model, lv in setups:
             port = free_port()
             cmd = [*cmd, "--port", str(port)]
@@ -225,12 +260,23 @@ def report(rows, checks, load_before, load_after, args) -> str:
     if g16 and g1:
         goals.append(f"- p99 ITL at 16 clients / batch-1 decode step (ITL p50 at 1 client): "
                      f"{g16['itl_p99'] / g1['itl_p50']:.2f}x (goal <= 2x)")
+    i64, g64, peer64 = get(INT8_SERVER, 64), get("gptforge serve", 64), get("transformers serve --continuous-batching", 64)
+    if i64 and g64:
+        goals.append(f"- 64 clients, INT8 + int8 KV vs fp32: {i64['tok_s'] / g64['tok_s']:.2f}x (goal >= 2x)")
+    if i64 and peer64:
+        goals.append(f"- 64 clients, INT8 + int8 KV vs transformers serve: {i64['tok_s'] / peer64['tok_s']:.2f}x "
+                     "(goal > 1x)")
+    if g64 and peer64:
+        goals.append(f"- 64 clients vs transformers serve: {g64['tok_s'] / peer64['tok_s']:.2f}x, p99 TTFT "
+                     f"{g64['ttft_p99']:.2f} s vs {peer64['ttft_p99']:.2f} s (goal: >= 2x at p99 TTFT <= the peer's)")
+    checks = {k: v for k, v in checks.items() if k != INT8_SERVER}  # other weights: other text
     same = len(set(checks.values())) == 1
     head = [f"Machine: {cpu_name()} ({os.cpu_count()} cores; flags {cpu_flags()}), torch {torch.__version__}, "
             f"{args.threads} thread(s) per server (OMP_NUM_THREADS).",
             f"Load average before/after: {' '.join(f'{x:.2f}' for x in load_before)} / "
             f"{' '.join(f'{x:.2f}' for x in load_after)}.",
-            f"Command: `python benchmarks/serve_load.py --clients {args.clients} --threads {args.threads}`.",
+            f"Command: `python benchmarks/serve_load.py --clients {args.clients} --threads {args.threads}"
+            f"{' --int8' if args.int8 else ''}{' --skip-one' if args.skip_one else ''}`.",
             f"Greedy check (same prompt, both servers): {'identical text' if same else 'DIFFERENT: ' + repr(checks)}."]
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(goals) + "\n"
 
@@ -238,6 +284,9 @@ def report(rows, checks, load_before, load_after, args) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,4,16,64")
+    p.add_argument("--int8", action="store_true",
+                   help="also serve the same weights as a real INT8 model with an int8 KV cache")
+    p.add_argument("--skip-one", action="store_true", help="leave out the one-request-at-a-time server")
     p.add_argument("--out", help="also write the markdown table to this file")
     p.add_argument("--threads", type=int, default=1,
                    help="OMP_NUM_THREADS of both servers (default 1: on a shared, oversubscribed 2-core machine "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -28,6 +29,33 @@ def _nothing_left_in_the_checkout():
     assert not left, f"tests left these in {_ROOT}: {left}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """gptforge's native CPU kernels build once per test session into its tmp directory (shared by
+    xdist workers, who take turns on its lock), never into the user's ~/.cache."""
+    saved = os.environ.get("GPTFORGE_KERNEL_CACHE")
+    base = tmp_path_factory.getbasetemp()
+    os.environ["GPTFORGE_KERNEL_CACHE"] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+                                              / "gptforge-kernels")
+    yield
+    if saved is None:
+        os.environ.pop("GPTFORGE_KERNEL_CACHE", None)
+    else:
+        os.environ["GPTFORGE_KERNEL_CACHE"] = saved
+
+
+@pytest.fixture
+def native_attention():
+    """The native CPU kernels (the decode attention among them) built; skipped only where no C++
+    compiler exists (elsewhere a failed build fails the test)."""
+    from gptforge.transforms import native_kernels
+
+    why = native_kernels.unavailable()
+    if why and not shutil.which("c++"):
+        pytest.skip(f"no C++ compiler here: {why}")
+    assert why is None, why
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -37,7 +65,7 @@ def _seed():
 def _automatic_kernel_choice(monkeypatch):
     """Tests see the automatic INT8 kernel choice even when the user's shell forces one (a forced
     inexact path would fail unrelated tests); tests of the forcing set the variables themselves."""
-    for var in ("GPTFORGE_INT8_KERNEL", "GPTFORGE_ORT_INT8_GEMM"):
+    for var in ("GPTFORGE_INT8_KERNEL", "GPTFORGE_ORT_INT8_GEMM", "GPTFORGE_WEIGHT_KERNEL", "GPTFORGE_NATIVE_ISA"):
         monkeypatch.delenv(var, raising=False)
 
 

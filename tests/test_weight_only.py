@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptforge.compress.gptq import gptq_quantize
-from gptforge.transforms import lowbit
+from gptforge.transforms import lowbit, native_kernels
 from gptforge.transforms.weight_only import (
     KERNEL_ENV,
     WeightOnlyLinear,
@@ -52,15 +52,19 @@ CASES = [(4, 32, True), (4, 64, False), (8, 0, True), (8, 32, False), (16, 0, Tr
 
 @pytest.mark.parametrize("awq", [False, True])
 @pytest.mark.parametrize("bits,group,sym", CASES)
-@pytest.mark.parametrize("kernel", ["auto", "packed", "bf16", "fp32"])
+@pytest.mark.parametrize("kernel", ["auto", "native", "packed", "bf16", "fp32"])
 def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group, sym, kernel, awq):
     monkeypatch.setenv(KERNEL_ENV, kernel)
     w, b = torch.randn(32, 128), torch.randn(32)
     s = torch.rand(128) + 0.5 if awq and bits < 16 else None  # AWQ: the input divided by s first
     m = WeightOnlyLinear.from_float(w, b, bits, group, sym, act_scale=s)
-    x = torch.randn(3, 5, 128)
+    x = torch.randn(2, 3, 128)  # 6 rows: within the native kernels' batch
     ref = x.double() @ m.dequantized_weight().double().T + b.double()
+    if kernel == "native" and native_kernels.unavailable():
+        pytest.skip(f"gptforge's native kernels are unavailable here: {native_kernels.unavailable()}")
     chosen = m.kernel_for(x.reshape(-1, 128))
+    if kernel == "native":
+        assert chosen == ("native" if bits < 16 else "bf16" if native_bf16() else "fp32")
     if kernel == "packed":
         if bits == 16 or (bits == 8 and (group or not sym)):
             assert chosen != "packed"  # no packed kernel for this format: the dequantized path
@@ -82,7 +86,8 @@ def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group,
 
 def test_auto_kernel_follows_the_probes():
     m = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
-    want = "packed" if packed_is_exact(4) else "bf16" if native_bf16() else "fp32"
+    want = ("native" if not native_kernels.unavailable() else "packed" if packed_is_exact(4)
+            else "bf16" if native_bf16() else "fp32")
     assert m.kernel_for(torch.randn(2, 64)) == want
 
 

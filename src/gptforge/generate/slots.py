@@ -15,6 +15,7 @@ batch-1 cache per sequence and one backend step per sequence and chunk.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from torch import nn
 from gptforge.generate.speculative import truncate_cache
 from gptforge.model.gpt import GPT
 from gptforge.model.kv_cache import KVCache
+from gptforge.transforms import native_kernels
+
+_NATIVE_KV = (torch.float32, torch.int8)  # slot storage the native decode attention reads
 
 
 class SeqSlot(KVCache):
@@ -72,9 +76,10 @@ class Segment:
 class RaggedBatch:
     """The cache object `GPT.hidden_states` sees for one ragged step (it implements `attend`)."""
 
-    def __init__(self, segments: Sequence[Segment], device):
+    def __init__(self, segments: Sequence[Segment], device, native: bool = False):
         self.segments = list(segments)
         ids, pos, want, offset = [], [], [], 0
+        self.offsets: list[int] = []
         self.adapter_rows: dict[str, list[int]] = {}  # adapter name -> its rows of the packed row
         filled: dict[int, int] = {}  # a slot may get several consecutive segments (prompt chunks) in one step
         for s in self.segments:
@@ -84,6 +89,7 @@ class RaggedBatch:
                 raise ValueError(f"slot holds {have} of {s.slot.capacity} positions; cannot add {n} "
                                  f"tokens at {s.start}")
             filled[id(s.slot)] = s.start + n
+            self.offsets.append(offset)
             ids += s.token_ids
             pos += range(s.start, s.start + n)
             if s.adapter is not None:
@@ -97,21 +103,42 @@ class RaggedBatch:
         self.position_ids = torch.tensor([pos], dtype=torch.long, device=device)
         self.logits_index = torch.tensor(want, dtype=torch.long, device=device)
         self.length = 0  # read by `hidden_states` as the shared start; positions are explicit here
+        # Decode tokens (one new token, the slot's only segment in this step) attend through the
+        # native kernel, all in one call per layer, whatever else shares the step.
+        once = Counter(id(s.slot) for s in self.segments)
+        self.native = [i for i, s in enumerate(self.segments) if native and len(s.token_ids) == 1
+                       and once[id(s.slot)] == 1 and s.slot.dtype in _NATIVE_KV]
+        self.native_rows = torch.tensor([self.offsets[i] for i in self.native], dtype=torch.long, device=device)
 
     def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
         """Store each sequence's new keys/values in its slot and attend over that slot only (a
         later segment of the same slot sees the keys an earlier one just wrote)."""
-        outs, o = [], 0
-        for s in self.segments:
-            n, start, slot = len(s.token_ids), s.start, s.slot
-            end = start + n
-            slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
-            keys, values = slot.read(layer, end, q.dtype)
-            # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
-            mask, causal = GPT.attention_mask(n, start, None, q.device)
-            outs.append(core(q[:, :, o:o + n], keys, values, mask, causal))
-            o += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if not self.native or core.training or q.dtype != torch.float32:
+            outs = [self._attend_one(layer, i, q, k, v, core) for i in range(len(self.segments))]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        rows = self.native_rows
+        picked = [x[0].index_select(1, rows).transpose(0, 1) for x in (q, k, v)]  # [R, heads, head_dim]
+        slots = [self.segments[i].slot for i in self.native]
+        y = native_kernels.decode_attention(*picked, slots, layer, [self.segments[i].start for i in self.native])
+        if len(self.native) == len(self.segments):
+            return y.transpose(0, 1).unsqueeze(0)
+        out = torch.empty_like(q)
+        out[0].index_copy_(1, rows, y.transpose(0, 1))
+        native = set(self.native)
+        for i, s in enumerate(self.segments):
+            if i not in native:
+                o = self.offsets[i]
+                out[:, :, o:o + len(s.token_ids)] = self._attend_one(layer, i, q, k, v, core)
+        return out
+
+    def _attend_one(self, layer: int, i: int, q, k, v, core) -> torch.Tensor:
+        s, o = self.segments[i], self.offsets[i]
+        n, start, slot = len(s.token_ids), s.start, s.slot
+        slot.write(layer, start, k[:, :, o:o + n], v[:, :, o:o + n])
+        keys, values = slot.read(layer, start + n, q.dtype)
+        # Exactly the mask a lone sequence gets from its own KVCache (see `prefill_chunks`).
+        mask, causal = GPT.attention_mask(n, start, None, q.device)
+        return core(q[:, :, o:o + n], keys, values, mask, causal)
 
     def commit(self) -> None:
         """Advance every slot past the tokens this step wrote (after the forward pass)."""
@@ -124,9 +151,13 @@ class RaggedSlots:
 
     ragged = True
 
-    def __init__(self, backend):
+    def __init__(self, backend, native: bool | None = None):
         self.backend = backend
         self.device = backend.device
+        # The native decode attention where it runs (`native`: None or True), built (once) here
+        # rather than at the first decode step; False: the classic per-sequence attention.
+        self.native = (native is not False and torch.device(self.device).type == "cpu"
+                       and native_kernels.unavailable() is None)
 
     def new_slot(self, capacity: int):
         return self.backend.new_slot(capacity)
@@ -134,7 +165,7 @@ class RaggedSlots:
     def step(self, segments: Sequence[Segment]) -> torch.Tensor:
         """Logits [R, V] after the last token of each segment with `want_logits` (after every
         token of one with `all_logits`), in order."""
-        return self.backend.step_ragged(RaggedBatch(segments, self.device))
+        return self.backend.step_ragged(RaggedBatch(segments, self.device, self.native))
 
 
 class _SeqCache:

@@ -4,6 +4,12 @@ float activations. A quantized model directory records its format in `weight_onl
 
 Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEIGHT_KERNEL`:
 
+- `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use)
+  for int8 / int4 layers and batches of up to `NATIVE_MAX_ROWS` rows (decode): the stored bytes
+  read directly, fp32 accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
+- `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per
+  block of 32 columns and exact integer dot products (llama.cpp's q8 activations), for groups of
+  a multiple of 32 columns: faster, not the float product (`native` for other layers).
 - `packed`: PyTorch's packed CPU kernels, `aten._weight_int8pack_mm` (int8, symmetric, one
   scale per row) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32..256, rows a
   multiple of 16), where a one-time probe finds them exact on this CPU against integer
@@ -12,11 +18,13 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 - `bf16`: dequantize to bf16 and `F.linear` in bf16, the default fallback where the CPU has
   native bf16 (oneDNN's check: AVX-512-bf16 or AMX).
 - `fp32`: dequantize to fp32 and `F.linear` (every CPU). Nothing dequantized is cached.
-`auto` (default): `packed` where the layer's format has an exact packed kernel, else `bf16`
-where native, else `fp32`. bf16 weights (`bits=16`) use `bf16` where native, else `fp32`
-(a bf16 -> fp32 copy per call: the bytes of bf16, the speed of fp32).
+`auto` (default): `native` where built and the call fits it, else `packed` where the layer's
+format has an exact packed kernel, else `bf16` where native, else `fp32`. bf16 weights
+(`bits=16`) use `bf16` where native, else `fp32` (a bf16 -> fp32 copy per call: the bytes of
+bf16, the speed of fp32). A forced `native` takes the `auto` path for calls it does not cover
+(bf16 weights, longer batches) and is a UsageError where the kernels cannot be built.
 Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at
-batch 1 in torch 2.13, so `GPTFORGE_WEIGHT_KERNEL=bf16|fp32` can be the faster choice.
+batch 1 in torch 2.13; `native` is the batch-1 path.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptforge.errors import CheckpointError
-from gptforge.transforms import lowbit
+from gptforge.errors import CheckpointError, UsageError
+from gptforge.transforms import lowbit, native_kernels
 from gptforge.transforms.cpu_kernels import _probe_operands, _requested
 
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
-KERNELS = ("auto", "packed", "bf16", "fp32")
+KERNELS = ("auto", "native", "native-q8a", "packed", "bf16", "fp32")
+NATIVE_MAX_ROWS = 8  # batch rows up to which `auto` takes `native` (measured: benchmarks/results/2026-11-25-lowbit-kernels.md)
 INT4_PACK_GROUPS = (32, 64, 128, 256)
 
 
@@ -164,6 +174,7 @@ class WeightOnlyLinear(nn.Module):
             self.register_buffer("act_scale", torch.ones(in_features, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._kernel_weight, self._kernel_key = None, None
+        self._kernel_choice: dict[tuple, str] = {}
 
     @classmethod
     @torch.no_grad()
@@ -206,13 +217,39 @@ class WeightOnlyLinear(nn.Module):
         return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """`packed`, `bf16` or `fp32`: the path this call takes (see the module docstring)."""
+        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring).
+        Remembered per layer for what decides it (the forcing variables, batch rows up to the
+        native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
+        key = (self.kernel, os.environ.get(KERNEL_ENV), os.environ.get(native_kernels.ISA_ENV),
+               min(x.shape[0], NATIVE_MAX_ROWS + 1), x.dtype, x.device.type)
+        got = self._kernel_choice.get(key)
+        if got is None:
+            got = self._kernel_choice[key] = self._choose_kernel(x)
+        return got
+
+    def _choose_kernel(self, x: torch.Tensor) -> str:
         req = requested_kernel(self.kernel)
-        if req in ("auto", "packed") and self._packable(x) and packed_is_exact(self.bits):
+        if req.startswith("native"):
+            why = native_kernels.unavailable()
+            if why:
+                raise UsageError(f"{KERNEL_ENV}={req}: gptforge's CPU kernels are unavailable here ({why}); "
+                                 "unset it to use the built-in kernels")
+        fits = self._native_fits(x)
+        if req == "native-q8a" and fits and (self.group_size or self.in_features) % 32 == 0:
+            return "native-q8a"
+        if (req == "auto" or req.startswith("native")) and fits and not native_kernels.unavailable():
+            return "native"
+        if req in ("auto", "native", "native-q8a", "packed") and self._packable(x) and packed_is_exact(self.bits):
             return "packed"
         if req == "fp32" or (req != "bf16" and not native_bf16()):
             return "fp32"
         return "bf16"
+
+    def _native_fits(self, x: torch.Tensor) -> bool:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.bits == 16:
+            return False
+        g = self.group_size or self.in_features
+        return x.shape[0] <= NATIVE_MAX_ROWS and (self.bits == 8 or g % 2 == 0)
 
     def _packable(self, x: torch.Tensor) -> bool:
         if x.device.type != "cpu" or x.dtype != torch.float32:
@@ -231,13 +268,18 @@ class WeightOnlyLinear(nn.Module):
             self._kernel_weight, self._kernel_key = (packed, qsz), key
         return self._kernel_weight
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x · dequant(W)ᵀ (no bias) on the chosen kernel."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x · dequant(W)ᵀ (+ `bias`) on the chosen kernel."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if hasattr(self, "act_scale"):
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
+        if kern.startswith("native"):
+            zero = None if self.sym else self.weight_zero
+            y = native_kernels.weight_only_linear(x2, self.weight, self.weight_scale, zero, bias, self.bits,
+                                                  q8_activations=kern == "native-q8a").to(x.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
         elif kern == "packed":
@@ -247,11 +289,11 @@ class WeightOnlyLinear(nn.Module):
             y = F.linear(x2.to(torch.bfloat16), self._stored(torch.bfloat16)).to(x.dtype)
         else:
             y = F.linear(x2.float(), self._stored(torch.float32)).to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y + bias.to(y.dtype) if bias is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y
+        return self.matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         fmt = "bf16" if self.bits == 16 else (f"int{self.bits} {'sym' if self.sym else 'asym'} "

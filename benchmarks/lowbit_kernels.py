@@ -1,0 +1,129 @@
+"""One GEMV of GPT-2 124M's shapes: gptforge's native weight-only kernels vs fp32 `F.linear` and
+PyTorch's packed int8 / int4 CPU kernels, and the batch size up to which `native` wins.
+
+    .venv/bin/python benchmarks/lowbit_kernels.py                  # threads 1 and 2, 7 rounds
+    .venv/bin/python benchmarks/lowbit_kernels.py --threads 1 --rounds 3 --rows 1 2 4 8 16
+
+Shapes (in x out): 768x3072 (c_fc), 3072x768 (c_proj), 768x50257 (the LM head). Random weights
+rounded to nearest; int8 one scale per row, int4 symmetric in groups of 64. Every kernel runs in
+each round (interleaved: load from other processes hits all alike); reported: the median of the
+per-round medians in microseconds and the weight bytes each streamed per microsecond (GB/s).
+`native-q8a`: the opt-in variant with int8 activations (integer dot products). A bandwidth probe (the sum of a 256 MB fp32 tensor, read once per call) bounds what streaming
+weights can reach; the int4 "weight-streaming limit" of a decode step is its bytes over that.
+`--rows`: the same kernels at batch M (`native` vs the path `auto` takes above it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
+
+SHAPES = ((768, 3072), (3072, 768), (768, 50257))
+
+
+def _time(f, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
+    """{name: (callable, weight bytes)} for one shape at batch `rows`."""
+    from gptforge.transforms import lowbit, native_kernels
+    from gptforge.transforms.cpu_kernels import fbgemm_available, fbgemm_prepack
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(rows, k)
+    q8, s8, _ = lowbit.quantize_rtn(w, 8, 0, True)
+    q4, s4, _ = lowbit.quantize_rtn(w, 4, 64, True)
+    p4 = lowbit.pack_int4(q4)
+    out: dict[str, tuple[object, int]] = {"fp32 F.linear": (lambda: F.linear(x, w), w.numel() * 4)}
+    out["aten int8pack"] = (lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8[:, 0]), q8.numel() + 4 * n)
+    if n % 16 == 0:  # the packed int4 kernel needs rows in multiples of 16 (the head's 50257 has not)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q4.int() + 8), 1)
+        qsz = torch.stack([s4.t(), torch.zeros_like(s4).t()], -1).contiguous()
+        out["aten int4pack g64"] = (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 64, qsz),
+                                    p4.numel() + 8 * s4.numel())
+    if rows <= native_kernels.max_rows():
+        out["native int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8), q8.numel() + 4 * n)
+        out["native int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4),
+                                  p4.numel() + 4 * s4.numel())
+        out["native-q8a int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8, None, True),
+                                  q8.numel() + 4 * n)
+        out["native-q8a int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4, None, True),
+                                      p4.numel() + 4 * s4.numel())
+    if fbgemm_available():  # the real INT8 model's path: `split` rows (2 per row; the head's 2 digits: 4)
+        op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        pk = fbgemm_prepack(q8, s8[:, 0])
+        xs = torch.cat([x, -x] * (2 if n > 4 * k else 1))
+        out["fbgemm int8 (INT8 model)"] = (lambda: op(xs, 0.01, 0, pk), q8.numel() + 4 * n)
+    deq8 = lambda: F.linear(x, lowbit.dequantize(q8, s8, torch.zeros_like(s8), 0))  # noqa: E731
+    out["fp32 dequant int8"] = (deq8, q8.numel() + 4 * n)
+    return out
+
+
+def bandwidth_gbs(reps: int = 9) -> float:
+    """GB/s of reading a 256 MB fp32 tensor once (a sum), at torch's thread count."""
+    big = torch.ones(64 * 2**20)
+    big.sum()
+    return big.numel() * 4 / _time(lambda: big.sum(), reps) / 1e9
+
+
+def table(threads: int, rows: int, rounds: int, reps: int) -> None:
+    torch.set_num_threads(threads)
+    suites = {shape: kernels(*shape, rows) for shape in SHAPES}
+    per: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for shape, ks in suites.items():
+            for name, (f, _) in ks.items():
+                f()
+                per.setdefault((shape, name), []).append(_time(f, reps))
+    bw = bandwidth_gbs()
+    print(f"\n### {threads} thread(s), batch {rows}: median of {rounds} interleaved rounds x {reps} calls; "
+          f"bandwidth probe {bw:.1f} GB/s; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
+    print("| shape (in x out) | kernel | us | GB/s of weights | vs fp32 F.linear |")
+    print("|---|---|---:|---:|---:|")
+    for shape, ks in suites.items():
+        base = statistics.median(per[(shape, "fp32 F.linear")])
+        for name, (_, nbytes) in ks.items():
+            t = statistics.median(per[(shape, name)])
+            print(f"| {shape[0]}x{shape[1]} | {name} | {t * 1e6:.0f} | {nbytes / t / 1e9:.1f} | {base / t:.2f}x |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="batch sizes M")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15, help="calls per kernel per round")
+    args = ap.parse_args()
+    from gptforge.transforms import native_kernels
+
+    why = native_kernels.unavailable()
+    if why:
+        print(f"gptforge's native kernels are unavailable: {why}")
+        return 2
+    print(f"machine: {cpu_name()}; native path {native_kernels.isa()}; torch {torch.__version__}; "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    for threads in args.threads:
+        for rows in args.rows:
+            table(threads, rows, args.rounds, args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

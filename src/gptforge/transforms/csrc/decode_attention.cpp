@@ -1,0 +1,218 @@
+// Decode attention for continuous batching (gptforge, issue #30): every sequence of a ragged
+// step that adds one token stores its new key/value in its own slot and attends over its own
+// positions 0..start, all sequences and heads in one call instead of one SDPA call (plus a
+// write and a read) per sequence and layer, whose fixed costs dominate a decode step's
+// attention on a CPU.
+//
+// Each (sequence, head) is computed by one task in a fixed order over positions and head_dim,
+// so a sequence's output never depends on what else is in the step or on the thread count
+// (the engine's batch invariance). Slots are [1, heads, capacity, head_dim] in float32, or in
+// int8 with one float32 scale per (head, position) (model/kv_cache.py). The int8 write
+// quantizes exactly as `kv_cache.quantize_int8` does (max|x| / 127, x / scale rounded half to
+// even, clamped), so a position stores the same bytes whichever path wrote it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Slot {
+  float* k = nullptr;   // float32 storage, or null
+  float* v = nullptr;
+  int8_t* kq = nullptr;  // int8 storage, or null
+  int8_t* vq = nullptr;
+  float* ks = nullptr;   // int8 scales [heads, capacity]
+  float* vs = nullptr;
+  int64_t start = 0, cap = 0;
+};
+
+void quantize_row(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = amax / 127.f;
+  const float safe = s > 0.f ? s : 1.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = std::nearbyint(x[d] / safe);  // default rounding: half to even, as torch.round
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  *scale = s;
+}
+
+// ---------------------------------------------------------------- scalar (any D)
+
+float dot_scalar(const float* a, const float* b, int64_t D) {
+  float acc[8] = {0.f};
+  for (int64_t d = 0; d < D; ++d) acc[d & 7] += a[d] * b[d];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+float dot_scalar_i8(const float* a, const int8_t* b, int64_t D) {
+  float acc[8] = {0.f};
+  for (int64_t d = 0; d < D; ++d) acc[d & 7] += a[d] * static_cast<float>(b[d]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void axpy_scalar(float p, const float* x, float* y, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
+}
+
+void axpy_scalar_i8(float p, const int8_t* x, float* y, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] += p * static_cast<float>(x[d]);
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA (D % 8 == 0)
+
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 load_i8x8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  return hsum256(acc);
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2_i8(const float* a, const int8_t* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load_i8x8(b + d), acc);
+  return hsum256(acc);
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float p, const float* x, float* y, int64_t D) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t d = 0; d < D; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2_i8(float p, const int8_t* x, float* y, int64_t D) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t d = 0; d < D; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, load_i8x8(x + d), _mm256_loadu_ps(y + d)));
+}
+
+struct Ops {
+  float (*dot)(const float*, const float*, int64_t);
+  float (*dot_i8)(const float*, const int8_t*, int64_t);
+  void (*axpy)(float, const float*, float*, int64_t);
+  void (*axpy_i8)(float, const int8_t*, float*, int64_t);
+};
+
+// One (sequence, head): write the new key/value at `start`, then softmax(q.k / sqrt(d)).v over
+// positions 0..start. `scores` is the task's scratch buffer.
+void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* q, const float* kn,
+              const float* vn, float scale, float* out, std::vector<float>& scores) {
+  const int64_t T = s.start + 1, base = h * s.cap;
+  if (s.k) {
+    std::copy(kn, kn + D, s.k + (base + s.start) * D);
+    std::copy(vn, vn + D, s.v + (base + s.start) * D);
+  } else {
+    quantize_row(kn, D, s.kq + (base + s.start) * D, s.ks + base + s.start);
+    quantize_row(vn, D, s.vq + (base + s.start) * D, s.vs + base + s.start);
+  }
+  scores.resize(T);
+  float m = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    const float x = s.k ? ops.dot(q, s.k + (base + t) * D, D)
+                        : ops.dot_i8(q, s.kq + (base + t) * D, D) * s.ks[base + t];
+    scores[t] = x * scale;
+    m = std::max(m, scores[t]);
+  }
+  float sum = 0.f;
+  for (int64_t t = 0; t < T; ++t) sum += (scores[t] = std::exp(scores[t] - m));
+  const float inv = 1.f / sum;
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < T; ++t) {
+    if (s.v) ops.axpy(scores[t] * inv, s.v + (base + t) * D, out, D);
+    else ops.axpy_i8(scores[t] * inv * s.vs[base + t], s.vq + (base + t) * D, out, D);
+  }
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+Slot slot_of(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& ks,
+             const std::vector<at::Tensor>& vs, size_t r, int64_t H, int64_t D, int64_t start) {
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && k.size(1) == H && k.size(3) == D && k.is_contiguous() &&
+                  v.sizes() == k.sizes() && v.is_contiguous() && v.scalar_type() == k.scalar_type(),
+              "slot ", r, ": keys/values must be contiguous [1, heads, capacity, head_dim]");
+  Slot s;
+  s.cap = k.size(2), s.start = start;
+  TORCH_CHECK(start >= 0 && start < s.cap, "slot ", r, ": position ", start, " outside its capacity ", s.cap);
+  if (k.scalar_type() == at::kFloat) {
+    s.k = k.data_ptr<float>(), s.v = v.data_ptr<float>();
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kChar && ks.size() > r && vs.size() > r, "slot ", r,
+                ": float32 or int8 (with scales) storage");
+    for (const at::Tensor* t : {&ks[r], &vs[r]})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == H * s.cap,
+                  "slot ", r, ": int8 scales must be contiguous float32 [1, heads, capacity, 1]");
+    s.kq = k.data_ptr<int8_t>(), s.vq = v.data_ptr<int8_t>();
+    s.ks = ks[r].data_ptr<float>(), s.vs = vs[r].data_ptr<float>();
+  }
+  return s;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                            const std::vector<at::Tensor>& k_scales, const std::vector<at::Tensor>& v_scales,
+                            c10::IntArrayRef starts, double scale, int64_t isa) {
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == q.sizes(),
+                "q, k, v: contiguous float32 [rows, heads, head_dim]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == R && static_cast<int64_t>(values.size()) == R &&
+                  static_cast<int64_t>(starts.size()) == R, "one slot and start per row");
+  std::vector<Slot> slots;
+  slots.reserve(R);
+  for (int64_t r = 0; r < R; ++r) slots.push_back(slot_of(keys[r], values[r], k_scales, v_scales, r, H, D, starts[r]));
+  const bool vec = isa > 0 && D % 8 == 0;
+  TORCH_CHECK(!vec || has_avx2(), "this CPU cannot run the AVX2 path");
+  const Ops ops = vec ? Ops{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8}
+                      : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
+  at::Tensor out = at::empty({R, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t positions = 0;
+  for (const Slot& s : slots) positions += s.start + 1;
+  // ~32K multiply-adds per task: a batch-1 step stays on one thread.
+  const int64_t grain = std::max<int64_t>(1, (32768 * R) / std::max<int64_t>(1, 2 * positions * D));
+  at::parallel_for(0, R * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / H, h = i % H;
+      one_head(ops, slots[r], h, D, qp + i * D, kp + i * D, vp + i * D, static_cast<float>(scale), op + i * D,
+               scores);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor[] keys, Tensor[] values, Tensor[] k_scales, "
+        "Tensor[] v_scales, int[] starts, float scale, int isa) -> Tensor",
+        &decode_attention);
+}

@@ -1,0 +1,233 @@
+// Opt-in integer-dot variant of the weight-only products (GPTFORGE_WEIGHT_KERNEL=native-q8a):
+// the activations are rounded to int8 per block of 32 columns (step d = max|x| / 127, the
+// scheme of llama.cpp's q8 activations), so each block's product with the weights is an exact
+// integer sum:
+//   y[m, n] = sum_g s[n, g] * sum_{b in g} d[m, b] * (sum_{k in b} xq[m, k] * q[n, k] - zero[n, g] * bsum[m, b])
+// with bsum the block's sum of xq (int4 stores q + 8: its offset is zero + 8). Weight groups
+// must hold whole blocks of 32 columns. The rounding of x is the approximation (like llama.cpp's
+// q8_0 x q4_0 dot products); the integer sums are exact (u8 x s8 pairs stay below 2^15).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "cpu_isa.h"
+
+namespace {
+
+using gptforge_wo::cpu_has;
+using gptforge_wo::kAvx2;
+using gptforge_wo::kScalar;
+constexpr int64_t kBlock = 32;
+
+struct Q8Problem {
+  const int8_t* xq;    // [M, K] int8 activations (int4 on AVX2: each block as [even cols, odd cols])
+  const float* d;      // [M, K/32] steps
+  const float* gcorr;  // [M, G]: sum over the group's blocks of d * bsum
+  const uint8_t* w;
+  const float* scale;
+  const int8_t* zero;
+  const float* bias;
+  float* y;
+  int64_t M, N, K, G, g;
+  int bits;
+};
+
+// Round each block of 32 to int8 (half to even, as torch.round); `permute`: int4's column order.
+void quantize_act(const float* x, int64_t M, int64_t K, int64_t G, bool permute, int8_t* xq, float* d,
+                  float* gcorr) {
+  const int64_t nb = K / kBlock, bpg = nb / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float gc = 0.f;
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        float amax = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float step = amax / 127.f;
+        int32_t sum = 0;
+        int8_t* qb = xq + m * K + b * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const int8_t q = step > 0.f ? static_cast<int8_t>(std::nearbyint(xb[j] / step)) : 0;
+          sum += q;
+          qb[permute ? (j % 2) * 16 + j / 2 : j] = q;
+        }
+        d[m * nb + b] = step;
+        gc += step * static_cast<float>(sum);
+      }
+      gcorr[m * G + gi] = gc;
+    }
+}
+
+inline int offset(const Q8Problem& p, int64_t n, int64_t gi) {
+  return (p.zero ? p.zero[n * p.G + gi] : 0) + (p.bits == 4 ? 8 : 0);
+}
+
+inline void finish(const Q8Problem& p, int64_t n, int64_t m, float dot, float corr) {
+  p.y[m * p.N + n] = dot - corr + (p.bias ? p.bias[n] : 0.f);
+}
+
+void rows_scalar(const Q8Problem& p, int64_t n0, int64_t n1) {
+  const int64_t nb = p.K / kBlock, bpg = nb / p.G, row_bytes = p.bits == 4 ? p.K / 2 : p.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * row_bytes;
+    for (int64_t m = 0; m < p.M; ++m) {
+      float dot = 0.f, corr = 0.f;
+      for (int64_t gi = 0; gi < p.G; ++gi) {
+        const float s = p.scale[n * p.G + gi];
+        float part = 0.f;
+        for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+          int32_t acc = 0;
+          for (int64_t j = 0; j < kBlock; ++j) {
+            const int64_t k = b * kBlock + j;
+            const int q = p.bits == 8 ? static_cast<int8_t>(row[k]) : (k & 1) ? row[k >> 1] >> 4 : row[k >> 1] & 15;
+            acc += q * p.xq[m * p.K + k];
+          }
+          part += p.d[m * nb + b] * static_cast<float>(acc);
+        }
+        dot += s * part;
+        corr += s * static_cast<float>(offset(p, n, gi)) * p.gcorr[m * p.G + gi];
+      }
+      finish(p, n, m, dot, corr);
+    }
+  }
+}
+
+#define GF_AVX2 __attribute__((target("avx2,fma")))
+
+GF_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M, int BITS>
+GF_AVX2 void rows_avx2(const Q8Problem& p, int64_t n0, int64_t n1) {
+  const int64_t nb = p.K / kBlock, bpg = nb / p.G, row_bytes = BITS == 4 ? p.K / 2 : p.K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * row_bytes;
+    __m256 tot[M];
+    float corr[M];
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), corr[m] = 0.f;
+    for (int64_t gi = 0; gi < p.G; ++gi) {
+      __m256 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        __m256i wu;  // unsigned weight bytes for maddubs (int8: |q|, its sign moved onto x)
+        if (BITS == 4) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+          wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+        } else {
+          wu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+        }
+        const __m256i wabs = BITS == 4 ? wu : _mm256_sign_epi8(wu, wu);
+        for (int m = 0; m < M; ++m) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + m * p.K + b * kBlock));
+          if (BITS == 8) xv = _mm256_sign_epi8(xv, wu);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(p.d[m * nb + b]), acc[m]);
+        }
+      }
+      const float s = p.scale[n * p.G + gi];
+      const float so = s * static_cast<float>(offset(p, n, gi));
+      for (int m = 0; m < M; ++m) {
+        tot[m] = _mm256_fmadd_ps(acc[m], _mm256_set1_ps(s), tot[m]);
+        corr[m] += so * p.gcorr[m * p.G + gi];
+      }
+    }
+    for (int m = 0; m < M; ++m) finish(p, n, m, hsum(tot[m]), corr[m]);
+  }
+}
+
+using RowsFn = void (*)(const Q8Problem&, int64_t, int64_t);
+
+template <int M>
+RowsFn pick_m(int64_t isa, int bits) {
+  if (isa == kScalar) return &rows_scalar;
+  return bits == 4 ? &rows_avx2<M, 4> : &rows_avx2<M, 8>;
+}
+
+RowsFn pick(int64_t isa, int bits, int64_t M) {
+  switch (M) {
+    case 1: return pick_m<1>(isa, bits);
+    case 2: return pick_m<2>(isa, bits);
+    case 3: return pick_m<3>(isa, bits);
+    case 4: return pick_m<4>(isa, bits);
+    case 5: return pick_m<5>(isa, bits);
+    case 6: return pick_m<6>(isa, bits);
+    case 7: return pick_m<7>(isa, bits);
+    default: return pick_m<8>(isa, bits);
+  }
+}
+
+// The AVX-512 path of this variant is the AVX2 one (AVX-512 CPUs run it).
+at::Tensor linear_q8a(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
+                      int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
+  isa = isa > kAvx2 ? kAvx2 : isa;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = scale.size(1);
+  TORCH_CHECK(M >= 1 && M <= 8, "batch rows: 1..8");
+  TORCH_CHECK(w.is_contiguous() && w.element_size() == 1 && w.size(1) == (bits == 4 ? K / 2 : K), "w shape");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.size(0) == N && K % G == 0,
+              "scale shape");
+  TORCH_CHECK((K / G) % kBlock == 0, "groups must hold whole blocks of 32 columns");
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / kBlock}, x.options());
+  at::Tensor gcorr = at::empty({M, G}, x.options());
+  quantize_act(x.data_ptr<float>(), M, K, G, bits == 4 && isa != kScalar, xq.data_ptr<int8_t>(),
+               d.data_ptr<float>(), gcorr.data_ptr<float>());
+  at::Tensor y = at::empty({M, N}, x.options());
+  Q8Problem p{};
+  p.xq = xq.data_ptr<int8_t>(), p.d = d.data_ptr<float>(), p.gcorr = gcorr.data_ptr<float>();
+  p.w = static_cast<const uint8_t*>(w.data_ptr());
+  p.scale = scale.data_ptr<float>();
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(zero->is_contiguous() && zero->scalar_type() == at::kChar && zero->sizes() == scale.sizes(), "zero");
+    p.zero = zero->data_ptr<int8_t>();
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N, "bias");
+    p.bias = bias->data_ptr<float>();
+  }
+  p.y = y.data_ptr<float>();
+  p.M = M, p.N = N, p.K = K, p.G = G, p.g = K / G, p.bits = static_cast<int>(bits);
+  const RowsFn fn = pick(isa, p.bits, M);
+  const int64_t grain = std::max<int64_t>(1, 16384 / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(p, n0, n1); });
+  return y;
+}
+
+// The rounded activations as the kernel sees them (column order): (xq int8 [M, K], d [M, K/32]).
+std::tuple<at::Tensor, at::Tensor> quantize_q8a(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "x: contiguous fp32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / kBlock}, x.options());
+  at::Tensor gcorr = at::empty({M, 1}, x.options());
+  quantize_act(x.data_ptr<float>(), M, K, 1, false, xq.data_ptr<int8_t>(), d.data_ptr<float>(),
+               gcorr.data_ptr<float>());
+  return {xq, d};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
+  m.def("linear_q8a(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
+        &linear_q8a);
+  m.def("quantize_q8a(Tensor x) -> (Tensor, Tensor)", &quantize_q8a);
+}

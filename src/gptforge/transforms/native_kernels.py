@@ -1,0 +1,186 @@
+"""gptforge's own CPU kernels (`csrc/`): built once per torch version and source, on first use.
+
+The library is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja needed) into
+`$GPTFORGE_KERNEL_CACHE`, else `$GPTFORGE_CACHE/kernels`, else ~/.cache/gptforge/kernels, in a
+directory named by the torch version and a hash of the sources and flags, so an upgrade or an
+edit builds afresh and nothing stale is loaded. A file lock keeps two processes from building
+the same directory at once (the second waits, then loads the first one's library). Without a
+compiler, or when the build fails, one warning line and the callers' other kernels.
+
+The sources are never compiled with -march=native (a cache directory can be shared between
+CPUs): each instruction-set path is a function with its own target attribute and one is chosen
+at run time from cpuid. `GPTFORGE_NATIVE_ISA` picks it: `auto` (the best this CPU has),
+`avx512`, `avx2`, `scalar` (portable C++), or `off` (never build or use the native kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from gptforge.errors import UsageError
+from gptforge.transforms.cpu_kernels import _requested
+
+ISA_ENV = "GPTFORGE_NATIVE_ISA"
+ISAS = ("auto", "avx512", "avx2", "scalar", "off")
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
+SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp")
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_LIB = "gptforge_wo"
+
+
+def cache_root() -> Path:
+    """Where built kernels live (see the module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("GPTFORGE_CACHE") or Path.home() / ".cache" / "gptforge"
+    return Path(base) / "kernels"
+
+
+def build_dir() -> Path:
+    """This torch version's and these sources' build directory."""
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for f in sorted(_CSRC.iterdir()):  # the sources and their headers
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return cache_root() / f"torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _locked(d: Path):
+    """An exclusive lock on `d`/build.lock (released by the OS if the holder dies)."""
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(d: Path) -> Path:
+    """The library in `d`, compiled there first if absent (under the lock)."""
+    lib = d / f"{_LIB}.so"
+    if lib.is_file():
+        return lib
+    with _locked(d):
+        if lib.is_file():  # another process built it while we waited
+            return lib
+        from torch.utils import cpp_extension
+
+        from gptforge import progress
+
+        if not shutil.which(os.environ.get("CXX", "c++")):
+            raise RuntimeError("no C++ compiler (c++) on PATH")
+        progress.info("building CPU kernels (once)")
+        tmp = d / "build"
+        tmp.mkdir(exist_ok=True)
+        with progress.task("building CPU kernels"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(_LIB, [str(_CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                               build_directory=str(tmp), is_python_module=False, verbose=False)
+        os.replace(tmp / f"{_LIB}.so", lib)  # atomic: a reader sees the whole library or none
+        return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    """None once the library is loaded, else why not (one warning line, once per process)."""
+    if hasattr(torch.ops, _LIB) and hasattr(getattr(torch.ops, _LIB), "linear"):
+        return None
+    return load_library(build_dir())
+
+
+def load_library(d: Path) -> str | None:
+    """Build (if needed) and load the library in directory `d`: None, or why it failed (warned)."""
+    try:
+        torch.ops.load_library(str(_build(d)))
+        return None
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the other kernels
+        lines = str(e).splitlines()
+        why = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        why = " ".join(why.split())[:300]
+        warnings.warn(f"gptforge's native CPU kernels are unavailable ({why}); using the built-in kernels",
+                      RuntimeWarning, stacklevel=3)
+        return why
+
+
+def requested_isa() -> str:
+    return _requested(None, ISA_ENV, ISAS, ISA_ENV)
+
+
+def unavailable() -> str | None:
+    """Why the native kernels cannot run here (None when they can); builds them on first call."""
+    if requested_isa() == "off":
+        return f"{ISA_ENV}=off"
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The best path this CPU runs (cpuid): `avx512`, `avx2` or `scalar`."""
+    code = int(getattr(torch.ops, _LIB).cpu_isa())
+    return {v: k for k, v in ISA_CODES.items()}[code]
+
+
+def isa() -> str:
+    """The path the kernels take: $GPTFORGE_NATIVE_ISA, else the CPU's best. UsageError where the
+    variable asks for one this CPU lacks (it would crash on an illegal instruction)."""
+    return _isa(os.environ.get(ISA_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _isa(_env: str | None) -> str:
+    req, best = requested_isa(), cpu_isa()
+    if req == "auto":
+        return best
+    order = ("scalar", "avx2", "avx512")
+    if order.index(req) > order.index(best):
+        raise UsageError(f"{ISA_ENV}={req}: this CPU runs at most {best}; choose {best}, a lower one, or auto")
+    return req
+
+
+@functools.lru_cache(maxsize=1)
+def max_rows() -> int:
+    return int(getattr(torch.ops, _LIB).max_rows())
+
+
+def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       bias: torch.Tensor | None, bits: int, path: str | None = None,
+                       q8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] fp32 (M <= max_rows()) times the weight-only matrix (int8 [N, K] or packed int4
+    [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32.
+    `q8_activations`: the opt-in integer-dot variant (x rounded to int8 per block of 32 columns,
+    `quantize_q8a`; groups of a multiple of 32 columns)."""
+    op = getattr(torch.ops, _LIB).linear_q8a if q8_activations else getattr(torch.ops, _LIB).linear
+    return op(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
+
+
+def quantize_q8a(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations the integer-dot variant multiplies: (int8 [M, K], step [M, K/32])."""
+    return tuple(getattr(torch.ops, _LIB).quantize_q8a(x.contiguous()))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, layer: int, starts: list[int],
+                     path: str | None = None) -> torch.Tensor:
+    """One new token per sequence: store row r's key/value ([R, heads, head_dim] fp32) in
+    `slots[r]` (a float32 or int8 `KVCache` of batch 1; its `layer`) at position `starts[r]`, then attend over
+    its positions 0..starts[r] (scale 1/sqrt(head_dim)): [R, heads, head_dim]. The caller has
+    checked `unavailable()`; `path` as in `weight_only_linear` (AVX-512 CPUs take the AVX2 path)."""
+    keys = [s.k[layer] for s in slots]
+    values = [s.v[layer] for s in slots]
+    int8 = slots[0].k_scale is not None
+    ks = [s.k_scale[layer] for s in slots] if int8 else []
+    vs = [s.v_scale[layer] for s in slots] if int8 else []
+    return getattr(torch.ops, _LIB).decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), keys, values,
+                                                     ks, vs, starts, q.shape[-1] ** -0.5,
+                                                     ISA_CODES[path or isa()])

@@ -1,0 +1,104 @@
+"""The native decode attention (`csrc/decode_attention.cpp`, used by `generate/slots.py`): each
+new token's key/value stored in its sequence's slot exactly as `KVCache.write` stores it, and
+softmax(q·k/√d)·v over the slot's positions within fp32 rounding of a float64 reference, on
+every instruction-set path this CPU runs (forced in turn), bit-identical whatever the thread
+count or the other sequences in the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptforge.generate.slots import SeqSlot
+from gptforge.model.kv_cache import dequantize_int8
+from gptforge.transforms import native_kernels
+
+PATHS = ("scalar", "avx2")  # an AVX-512 CPU runs the AVX2 path
+
+
+def _runnable(path):
+    order = ("scalar", "avx2", "avx512")
+    best = native_kernels.cpu_isa()
+    if order.index(path) > order.index(best):
+        pytest.skip(f"this CPU runs at most the {best} path, not {path}")
+
+
+def _slots(starts, heads, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots = []
+    for n in starts:
+        s = SeqSlot([heads, heads], max(starts) + 3, dim, dtype, "cpu")
+        for layer in range(2):
+            s.write(layer, 0, torch.randn(1, heads, n, dim, generator=g) * 2, torch.randn(1, heads, n, dim, generator=g))
+        s.length = n
+        slots.append(s)
+    return slots
+
+
+def _reference(slot, layer, q, end):
+    """float64 softmax attention of q [heads, dim] over positions 0..end-1 of the slot."""
+    k, v = slot.read(layer, end, torch.float32)
+    k, v = k[0].double(), v[0].double()
+    w = torch.softmax((k @ q.double()[:, :, None])[..., 0] / q.shape[-1] ** 0.5, dim=-1)
+    return (w[:, :, None] * v).sum(1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("dim", [64, 12])  # 12: not a multiple of the vector width
+def test_matches_reference_and_stores_like_kvcache(native_attention, path, dtype, dim):
+    _runnable(path)
+    starts, heads = [0, 7, 1, 40, 3], 3
+    ours, ref_slots = _slots(starts, heads, dim, dtype), _slots(starts, heads, dim, dtype)
+    q, k, v = (torch.randn(len(starts), heads, dim) for _ in range(3))
+    y = native_kernels.decode_attention(q, k, v, ours, 1, starts, path=path)
+    for r, (a, b, n) in enumerate(zip(ours, ref_slots, starts, strict=True)):
+        b.write(1, n, k[r][None, :, None], v[r][None, :, None])  # what the classic path stores
+        for x, z in ((a.k, b.k), (a.v, b.v), (a.k_scale, b.k_scale), (a.v_scale, b.v_scale)):
+            if x is not None:
+                assert torch.equal(x[1][:, :, :n + 1], z[1][:, :, :n + 1])
+        assert torch.equal(a.k[0][:, :, :n], b.k[0][:, :, :n])  # the other layer untouched
+        torch.testing.assert_close(y[r].double(), _reference(b, 1, q[r], n + 1), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_invariant_to_threads_and_company(native_attention, path):
+    _runnable(path)
+    starts, heads, dim = [5, 33, 2, 17, 64, 9, 1, 30], 4, 64
+    q, k, v = (torch.randn(len(starts), heads, dim) for _ in range(3))
+    n = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(native_kernels.decode_attention(q, k, v, _slots(starts, heads, dim, torch.float32), 0, starts,
+                                                        path=path))
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(outs[0], outs[1])
+    alone = [native_kernels.decode_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1],
+                                             [_slots(starts, heads, dim, torch.float32)[r]], 0, [starts[r]], path=path)
+             for r in range(len(starts))]
+    assert torch.equal(torch.cat(alone), outs[0])
+
+
+def test_int8_read_matches_dequantized_slot(native_attention):
+    """int8 slots: the kernel attends over exactly the values `dequantize_int8` gives."""
+    starts, heads, dim = [6, 11], 2, 64
+    slots = _slots(starts, heads, dim, torch.int8)
+    q, k, v = (torch.randn(2, heads, dim) for _ in range(3))
+    y = native_kernels.decode_attention(q, k, v, slots, 0, starts)
+    for r, (s, n) in enumerate(zip(slots, starts, strict=True)):
+        kd = dequantize_int8(s.k[0][:, :, :n + 1], s.k_scale[0][:, :, :n + 1], torch.float32)
+        vd = dequantize_int8(s.v[0][:, :, :n + 1], s.v_scale[0][:, :, :n + 1], torch.float32)
+        w = torch.softmax((kd[0].double() @ q[r].double()[:, :, None])[..., 0] / dim ** 0.5, dim=-1)
+        torch.testing.assert_close(y[r].double(), (w[:, :, None] * vd[0].double()).sum(1), rtol=2e-6, atol=2e-6)
+
+
+def test_rejects_bad_operands(native_attention):
+    slots = _slots([3], 2, 64, torch.float32)
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(RuntimeError, match="outside its capacity"):
+        native_kernels.decode_attention(q, q, q, slots, 0, [slots[0].capacity])
+    with pytest.raises(RuntimeError, match="one slot and start per row"):
+        native_kernels.decode_attention(q, q, q, slots, 0, [3, 4])

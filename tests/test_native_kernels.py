@@ -1,0 +1,215 @@
+"""gptforge's own CPU kernels for weight-only int8 / int4 layers (`transforms/native_kernels.py`,
+`csrc/weight_only_gemv.cpp`). Every instruction-set path is forced in turn (`GPTFORGE_NATIVE_ISA`)
+and compared with the float64 product of the dequantized weights (`lowbit.dequantize`, the
+format's definition), which the kernels must equal within fp32 rounding. A path this CPU cannot
+execute is skipped (it would stop on an illegal instruction); the library is built once per test
+session into the session's tmp directory (conftest)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptforge.errors import UsageError
+from gptforge.transforms import lowbit, native_kernels
+from gptforge.transforms.weight_only import KERNEL_ENV, NATIVE_MAX_ROWS, WeightOnlyEmbedding, WeightOnlyLinear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ORDER = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def built():
+    why = native_kernels.unavailable()
+    if why and not shutil.which("c++"):
+        pytest.skip(f"no C++ compiler here: {why}")
+    assert why is None, why
+    return native_kernels.cpu_isa()
+
+
+def _runnable(path: str, best: str) -> None:
+    if ORDER.index(path) > ORDER.index(best):
+        pytest.skip(f"this CPU runs at most the {best} path, not {path}")
+
+
+def _tolerance_check(y: torch.Tensor, x: torch.Tensor, wf: torch.Tensor, b: torch.Tensor | None) -> None:
+    """|y - ref| within fp32 rounding of the float64 reference: relative to the result and to the
+    sum of |x|·|w| (the size of the terms summed)."""
+    ref = x.double() @ wf.double().T + (b.double() if b is not None else 0)
+    bound = 1e-5 * ref.abs() + 2e-6 * (x.double().abs() @ wf.double().abs().T) + 1e-7
+    err = (y.double() - ref).abs()
+    assert y.shape == ref.shape and bool((err <= bound).all()), float((err / bound).max())
+
+
+# (bits, group size, symmetric, in, out): per row, grouped, odd widths (vector tails), groups
+# that are not a multiple of the vector block, tiny layers.
+FORMATS = [(8, 0, True, 96, 40), (8, 32, False, 96, 40), (8, 24, True, 72, 9), (8, 0, True, 37, 5),
+           (4, 32, True, 128, 33), (4, 64, False, 128, 16), (4, 0, True, 70, 11), (4, 6, False, 30, 7),
+           (4, 48, True, 96, 3)]
+
+
+@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("bits,group,sym,k,n", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_path_equals_the_dequantized_reference(built, path, bits, group, sym, k, n, rows, bias):
+    _runnable(path, built)
+    w = torch.randn(n, k) * torch.rand(n, 1)  # rows of different magnitudes
+    q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
+    packed = lowbit.pack_int4(q) if bits == 4 else q
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k)
+    y = native_kernels.weight_only_linear(x, packed, s, None if sym else z.to(torch.int8), b, bits, path)
+    _tolerance_check(y, x, lowbit.dequantize(q, s, z, group), b)
+
+
+def test_the_extremes_of_every_format(built):
+    """Every stored value and the zeros at both ends (int4 nibbles 0 and 15, int8 -128 / 127)."""
+    for bits in (4, 8):
+        lo, hi = lowbit.qrange(bits)
+        q = torch.arange(lo, hi + 1, dtype=torch.int8).repeat(6, 256 // (hi - lo + 1))
+        s = torch.rand(6, 4) + 0.1
+        z = torch.tensor([lo, hi, 0, -1, lo + 1, hi - 1], dtype=torch.int8)[:, None].expand(6, 4).contiguous()
+        x = torch.randn(2, q.shape[1])
+        packed = lowbit.pack_int4(q) if bits == 4 else q
+        for path in ORDER[:ORDER.index(built) + 1]:
+            y = native_kernels.weight_only_linear(x, packed, s, z, None, bits, path)
+            _tolerance_check(y, x, lowbit.dequantize(q, s, z, q.shape[1] // 4), None)
+
+
+@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("bits,group,sym", [(8, 0, True), (8, 32, False), (4, 32, True), (4, 64, False)])
+def test_layers_take_the_forced_path(monkeypatch, built, path, bits, group, sym):
+    _runnable(path, built)
+    monkeypatch.setenv(KERNEL_ENV, "native")
+    monkeypatch.setenv(native_kernels.ISA_ENV, path)
+    lin = WeightOnlyLinear.from_float(torch.randn(24, 128), torch.randn(24), bits, group, sym,
+                                      act_scale=torch.rand(128) + 0.5)
+    x = torch.randn(2, 3, 128)
+    assert lin.kernel_for(x.reshape(-1, 128)) == "native" and native_kernels.isa() == path
+    _tolerance_check(lin(x).reshape(6, 24), (x / lin.act_scale).reshape(6, 128), lin._stored(torch.float32),
+                     lin.bias)
+    emb = WeightOnlyEmbedding(40, 128, bits=bits, group_size=group, sym=sym)
+    emb.load_state_dict(WeightOnlyLinear.from_float(torch.randn(40, 128), None, bits, group, sym).state_dict())
+    h = torch.randn(1, 128)
+    _tolerance_check(emb.project(h), h, emb.dequantized_weight(), None)
+
+
+def test_auto_takes_native_for_short_batches_only(built):
+    lin = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
+    assert lin.kernel_for(torch.randn(1, 64)) == "native"
+    assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS, 64)) == "native"
+    assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS + 1, 64)) != "native"
+    bf16 = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 16, 0, True)
+    assert bf16.kernel_for(torch.randn(1, 64)) != "native"
+
+
+def test_off_and_missing_paths_are_one_line_errors(monkeypatch, built):
+    lin = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 8, 0, True)
+    monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    assert lin.kernel_for(torch.randn(1, 64)) != "native"  # auto: the built-in kernels
+    monkeypatch.setenv(KERNEL_ENV, "native")
+    with pytest.raises(UsageError, match=f"{KERNEL_ENV}=native: .*{native_kernels.ISA_ENV}=off"):
+        lin(torch.randn(1, 64))
+    monkeypatch.setenv(native_kernels.ISA_ENV, "sse")
+    with pytest.raises(UsageError, match=native_kernels.ISA_ENV):
+        lin(torch.randn(1, 64))
+    if built != "avx512":  # a path beyond this CPU is refused, never run
+        monkeypatch.setenv(native_kernels.ISA_ENV, "avx512")
+        with pytest.raises(UsageError, match="runs at most"):
+            lin(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("cxx", ["/nonexistent/c++", "false"])
+def test_a_failed_build_is_one_warning(monkeypatch, tmp_path, cxx):
+    monkeypatch.setenv("CXX", cxx)
+    with pytest.warns(RuntimeWarning, match="native CPU kernels are unavailable") as rec:
+        why = native_kernels.load_library(tmp_path / "k")
+    assert why and len(rec) == 1 and "\n" not in str(rec[0].message)
+    assert not (tmp_path / "k" / f"{native_kernels._LIB}.so").exists()
+
+
+def test_a_waiting_process_loads_the_library_the_lock_holder_built(built, tmp_path, capsys):
+    """While one process holds the build lock, another waits, then finds the library and does not
+    build it again."""
+    done = native_kernels.build_dir() / f"{native_kernels._LIB}.so"
+    d = tmp_path / "k"
+    got = []
+    with native_kernels._locked(d):
+        t = threading.Thread(target=lambda: got.append(native_kernels._build(d)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # waiting on the lock
+        shutil.copy(done, d / done.name)
+    t.join(30)
+    assert got == [d / done.name] and not (d / "build").exists()
+    assert "building" not in capsys.readouterr().err
+
+
+def test_a_new_process_reuses_the_built_library(built):
+    code = ("import torch; from gptforge.transforms import native_kernels as nk; assert nk.unavailable() is None; "
+            "print(nk.cpu_isa())")
+    src = str(Path(native_kernels.__file__).parents[2])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": src})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == built and "building" not in r.stderr
+
+
+# ----------------------------------------------------------------------- opt-in integer-dot variant
+
+
+def _q8a_reference(x, q, s, z, group, bits):
+    """The variant's definition in exact integers: x rounded per block of 32 (step max|x|/127, half
+    to even), each block's integer dot product with q - zero, scaled by its step and the group's."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0  # fp32, as the kernel divides
+    xq = torch.where(d[..., None] > 0, torch.round(xb / d[..., None].clamp_min(1e-38)), torch.zeros_like(xb))
+    g = group or k
+    zz = (z if z is not None else torch.zeros_like(s)).to(torch.int64).repeat_interleave(g, 1)
+    qz = q.to(torch.int64) - zz  # [n, k]
+    dots = torch.einsum("mbj,nbj->mnb", xq.to(torch.int64), qz.reshape(-1, k // 32, 32))  # exact integers
+    sc = s.double().repeat_interleave(g // 32, 1)  # [n, blocks]
+    return xq.to(torch.int8).reshape(m, k), d, (dots.double() * d.double()[:, None, :] * sc[None]).sum(-1)
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("bits,group,sym,k,n", [(8, 0, True, 96, 40), (8, 32, False, 128, 9), (4, 32, True, 128, 33),
+                                                (4, 64, False, 192, 16), (4, 0, True, 64, 5)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8a_equals_its_integer_reference(built, path, bits, group, sym, k, n, rows):
+    _runnable(path, built)
+    w = torch.randn(n, k)
+    q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # an all-zero block: step 0
+    zero = None if sym else z.to(torch.int8)
+    xq, d, ref = _q8a_reference(x, q, s, zero, group, bits)
+    got_q, got_d = native_kernels.quantize_q8a(x)
+    assert torch.equal(got_q, xq) and torch.equal(got_d, d)
+    b = torch.randn(n)
+    y = native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, zero, b, bits, path,
+                                          q8_activations=True)
+    ref = ref + b.double()
+    size = (xq.abs().double() * d.repeat_interleave(32, 1)) @ (q.abs().double() + 8).T * s.abs().max()
+    assert bool(((y.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6 * size + 1e-7).all())
+
+
+def test_q8a_is_opt_in_and_needs_whole_blocks(monkeypatch, built):
+    lin = WeightOnlyLinear.from_float(torch.randn(16, 64), None, 4, 32, True)
+    assert lin.kernel_for(torch.randn(1, 64)) == "native"  # auto never rounds activations
+    monkeypatch.setenv(KERNEL_ENV, "native-q8a")
+    assert lin.kernel_for(torch.randn(1, 64)) == "native-q8a"
+    odd = WeightOnlyLinear.from_float(torch.randn(16, 48), None, 8, 0, True)  # 48 columns: not whole blocks
+    assert odd.kernel_for(torch.randn(1, 48)) == "native"
+    x = torch.randn(2, 64)
+    _, _, ref = _q8a_reference(x, lin.ints(), lin.weight_scale, None, 32, 4)
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5)
