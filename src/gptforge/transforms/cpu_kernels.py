@@ -79,7 +79,7 @@ def describe(onnxruntime: bool = True) -> str:
 # ----------------------------------------------------------------------- probes
 
 
-def _probe_operands(rows: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+def probe_operands(rows: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """int activations [rows, k] and int8 weights [n, k], both in ±127: full-range random values
     plus rows/columns of equal signs (every byte pair near 255 x 127: the int16 overflow)."""
     rng = np.random.default_rng(0)
@@ -130,7 +130,7 @@ def fbgemm_plain_is_exact() -> bool | None:
 def _fbgemm_probe() -> bool:
     k, n = 256, 8
     for rows in (1, 5, 64):  # fbgemm may pick other blockings for other row counts
-        q, w = _probe_operands(rows, k, n)
+        q, w = probe_operands(rows, k, n)
         # steps of 1: the fp32 output is the integer sum itself (|sum| <= 256·127² < 2^24)
         packed = fbgemm_prepack(torch.from_numpy(w).to(torch.int8), torch.ones(1))
         with warnings.catch_warnings():
@@ -162,7 +162,7 @@ def ort_probes() -> dict[str, bool]:
 def _ort_probe(qdq_dtype: str) -> bool:
     import onnxruntime as ort
 
-    q, w = _probe_operands(8, 256, 16)
+    q, w = probe_operands(8, 256, 16)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
@@ -196,7 +196,7 @@ def one_linear_qdq_graph(w_int: np.ndarray, w_step: np.ndarray, x_step: float, d
 # ----------------------------------------------------------------------- path choice
 
 
-def _requested(arg: str | None, env: str, choices: tuple[str, ...], flag: str) -> str:
+def requested_choice(arg: str | None, env: str, choices: tuple[str, ...], flag: str) -> str:
     """The forced choice: the argument unless None/auto, else the environment, else auto."""
     if arg is not None and arg not in choices:
         raise UsageError(f"{flag} {arg!r}: choose one of {', '.join(choices)}")
@@ -210,7 +210,7 @@ def _requested(arg: str | None, env: str, choices: tuple[str, ...], flag: str) -
 
 def fbgemm_kernel(requested: str | None = None) -> str:
     """`split` or `plain` for fbgemm INT8 layers (see the module docstring)."""
-    req = _requested(requested, KERNEL_ENV, KERNELS, "kernel")
+    req = requested_choice(requested, KERNEL_ENV, KERNELS, "kernel")
     if req == "auto":
         return "plain" if fbgemm_plain_is_exact() else "split"
     if req == "plain" and fbgemm_plain_is_exact() is False:
@@ -221,7 +221,7 @@ def fbgemm_kernel(requested: str | None = None) -> str:
 
 def ort_int8_gemm(qdq_dtype: str, requested: str | None = None) -> str:
     """`on` (fused int8 GEMMs) or `off` (QDQ graph unfused) for a graph stored as `qdq_dtype`."""
-    req = _requested(requested, ORT_GEMM_ENV, ORT_GEMMS, "--int8-gemm")
+    req = requested_choice(requested, ORT_GEMM_ENV, ORT_GEMMS, "--int8-gemm")
     if req == "auto":
         return "on" if ort_gemm_is_exact(qdq_dtype) else "off"
     return req

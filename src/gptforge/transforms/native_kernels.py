@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from gptforge.errors import UsageError
-from gptforge.transforms.cpu_kernels import _requested
+from gptforge.transforms.cpu_kernels import requested_choice
 
 ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
@@ -115,7 +115,7 @@ def load_library(d: Path) -> str | None:
 
 
 def requested_isa() -> str:
-    return _requested(None, ISA_ENV, ISAS, ISA_ENV)
+    return requested_choice(None, ISA_ENV, ISAS, ISA_ENV)
 
 
 def unavailable() -> str | None:

@@ -42,7 +42,7 @@ from torch import nn
 
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.transforms import lowbit, native_kernels
-from gptforge.transforms.cpu_kernels import _probe_operands, _requested
+from gptforge.transforms.cpu_kernels import probe_operands, requested_choice
 
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
@@ -119,7 +119,7 @@ def native_bf16() -> bool:
 def packed_is_exact(bits: int) -> bool:
     """Whether the packed int8 / int4 CPU kernel exists and is exact here: integer-valued inputs,
     power-of-two scales, compared with integer arithmetic (fp32 sums stay below 2^24)."""
-    q, w = _probe_operands(8, 256, 32)
+    q, w = probe_operands(8, 256, 32)
     x = torch.from_numpy(q).float()
     try:
         if bits == 8:
@@ -141,7 +141,7 @@ def packed_is_exact(bits: int) -> bool:
 
 
 def requested_kernel(arg: str | None = None) -> str:
-    return _requested(arg, KERNEL_ENV, KERNELS, "kernel")
+    return requested_choice(arg, KERNEL_ENV, KERNELS, "kernel")
 
 
 # ----------------------------------------------------------------------- modules
