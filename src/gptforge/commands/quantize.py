@@ -179,7 +179,7 @@ def _weights(args, cfg) -> int:
         r = quantize_weights(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
                              seq_len=args.seq_len, damp=args.damp, act_order=args.act_order, overwrite=True,
                              budget=budget)
-    fmt = args.weights + ("" if spec.bits == 16 else f" {'asym' if args.asym else 'sym'} "
+    fmt = args.weights + ("" if spec.bits == 16 else f" {'sym' if spec.sym else 'asym'} "
                           f"{'g' + str(spec.group_size) if spec.group_size else 'per row'}")
     if r.plan is not None:
         p = r.plan

@@ -65,12 +65,13 @@ def qat_weight_spec(src: str | os.PathLike) -> WeightOnlySpec | None:
     from gptforge.config.schema import QuantizationConfig
     from gptforge.config.typed import build_section
     from gptforge.model_io import read_checkpoint_config, resolve_checkpoint_path
-    from gptforge.transforms.weight_qat import weight_only_spec
 
     raw = (read_checkpoint_config(resolve_checkpoint_path(src)).get("Compress") or {}).get("Quantization") or {}
     if not (raw.get("enable") and raw.get("weight_only")):
         return None
-    return weight_only_spec(build_section(QuantizationConfig, raw, "Compress.Quantization"))
+    q = build_section(QuantizationConfig, raw, "Compress.Quantization")
+    return WeightOnlySpec(bits=q.weight_bits, group_size=q.group_size, sym=q.weight_sym, head_bits=q.head_bits,
+                          method="rtn")
 
 
 def check_qat_spec(spec: WeightOnlySpec, trained: WeightOnlySpec, path, budget: bool = False) -> None:

@@ -7,7 +7,8 @@ groups of `group_size` input columns at `weight_bits` (`head_bits` for the head)
 not (`weight_sym`), exactly as `lowbit.quantize_rtn` rounds it, then dequantized; the gradient is
 the straight-through estimator. Activations stay float. So rounding the trained float weights
 once more (`gptforge quantize --weights int4` of the QAT checkpoint, round-to-nearest) gives a
-weight-only model that computes the fake-quant model's numbers (`weight_only_spec`).
+weight-only model that computes the fake-quant model's numbers
+(`compress.weight_only_run.qat_weight_spec`).
 
 The state dict is the float model's (the master weights): a float checkpoint loads into the
 fake-quant model and back.
@@ -23,7 +24,6 @@ from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError
 from gptforge.transforms import lowbit
 from gptforge.transforms.head import install_head
-from gptforge.transforms.weight_only import WeightOnlySpec
 
 WEIGHT_BITS = (4, 8)
 HEAD_BITS = (4, 8, 16, 32)  # 16: bf16, 32: float (not quantized)
@@ -52,12 +52,6 @@ def validate(q: QuantizationConfig) -> None:
         key = "skip_tensor_map" if q.skip_tensor_map else "skip_layers"
         raise bad(key, "weight-only QAT rounds every block Linear (the weight-only format has no float "
                        "block layers); leave it empty")
-
-
-def weight_only_spec(q: QuantizationConfig) -> WeightOnlySpec:
-    """The weight-only format a weight-only QAT model converts to (round-to-nearest on its grid)."""
-    return WeightOnlySpec(bits=q.weight_bits, group_size=q.group_size, sym=q.weight_sym, head_bits=q.head_bits,
-                          method="rtn")
 
 
 class WeightQuantLinear(nn.Linear):
