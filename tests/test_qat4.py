@@ -157,6 +157,8 @@ def test_qat_checkpoint_converts_to_a_weight_only_model_with_its_logits(run_cli,
                           (("--convert",), "Compress.Quantization.weight_only")):
         code, _, err = run_cli("quantize", "--ckpt", step, "--out", tmp_path / "x", *flags)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (flags, err)
+    code, _, err = run_cli("export", "--format", "hf", "--ckpt", step, "--out", tmp_path / "hf")
+    assert code == 2 and "4-bit QAT" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_user_errors_are_one_line(run_cli, float_run, tmp_path):
