@@ -23,6 +23,7 @@ The LM head, embeddings and attention matmuls stay float, unless `quantize_embed
 the tied embedding (lookup and head) to be weight-quantized per row. Every quantized module
 has per-layer switches (`weight_quant_enabled`, `act_quant_enabled`) for sensitivity analysis.
 Reference layer names are `linear_{4i+j}` (j: 0 qkv_proj, 1 out_proj, 2 linear1, 3 linear2).
+`weight_only: true` (4-bit QAT) swaps in `weight_qat`'s weight-only fake quant instead.
 """
 
 from __future__ import annotations
