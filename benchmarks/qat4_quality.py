@@ -101,7 +101,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="GPTQ calibration windows")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", help="write the results (JSON) here too")
+    ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.qat_steps, args.head_bits, args.samples = 10, 2, [4], 4
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -115,8 +118,12 @@ def main() -> None:
     sub.mkdir(exist_ok=True)
     rows: dict[str, dict] = {}
 
+    ptq = work / f"qat4_p{args.steps}_ptq"  # float / PTQ rows, shared by runs with other QAT settings
+    ptq.mkdir(exist_ok=True)
+
     def row(name: str, path: Path) -> float:
-        m = score(path, text, sub / f"{name.replace(' ', '_')}_eval.json", args.seq)
+        out = (ptq if path.parent == ptq or path == ckpt else sub) / f"{name.replace(' ', '_')}_eval.json"
+        m = json.loads(out.read_text())["metrics"] if out.is_file() else score(path, text, out, args.seq)
         rows[name] = {"bits_per_byte": m["bits_per_byte"], "ppl": m["ppl"], "path": str(path)}
         print(f"{name:34} bpb {m['bits_per_byte']:.4f}  ppl {m['ppl']:.3f}", flush=True)
         return m["bits_per_byte"]
@@ -127,8 +134,8 @@ def main() -> None:
     summary = {}
     for hb in args.head_bits:
         head = ["--head-bits", str(hb)]
-        rtn = row(f"int4 g64 RTN, head {hb}", quantize(ckpt, sub / f"int4_g64_RTN_head{hb}", [*INT4, *head], args))
-        gptq = row(f"int4 g64 GPTQ, head {hb}", quantize(ckpt, sub / f"int4_g64_GPTQ_head{hb}",
+        rtn = row(f"int4 g64 RTN, head {hb}", quantize(ckpt, ptq / f"int4_g64_RTN_head{hb}", [*INT4, *head], args))
+        gptq = row(f"int4 g64 GPTQ, head {hb}", quantize(ckpt, ptq / f"int4_g64_GPTQ_head{hb}",
                                                          [*INT4, "--method", "gptq", *head], args))
         crtn = row(f"control int4 g64 RTN, head {hb}", quantize(ctrl, sub / f"control_RTN_head{hb}", [*INT4, *head],
                                                                args))
