@@ -1,4 +1,6 @@
-"""`gptforge qat`: INT8 quantization-aware training (spec §8) with the normal trainer.
+"""`gptforge qat`: INT8 quantization-aware training (spec §8) with the normal trainer; with
+`Compress.Quantization.weight_only` 4-bit weight-only QAT (`-c qat_int4_gpt_tiny_cpu`), which
+`gptforge quantize --weights int4` turns into an int4 model.
 
     gptforge qat -c qat_gpt_345M_single_card -o Compress.pretrained=DIR
     gptforge qat -c qat_gpt_tiny_cpu -o Compress.pretrained=runs/tiny/step_400
@@ -23,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Quantization-aware training: load the float model of Compress.pretrained, insert fake-quant "
                      "modules as Compress.Quantization says, train with the pretrain loop. Checkpoints hold the "
                      "scales; `gptforge eval/generate --ckpt` run the fake-quant model, `gptforge quantize "
-                     "--convert` makes a real INT8 model of it.")
+                     "--convert` makes a real INT8 model of it. With Compress.Quantization.weight_only (4-bit QAT) only the "
+                     "weights are fake-quantized, in groups, and `gptforge quantize --weights int4` makes the int4 "
+                     "model.")
     add_config_args(p, ckpt_help=(
         "a QAT training checkpoint to resume (step_N or a run directory), or a float model directory to start "
         "from (same as -o Compress.pretrained=DIR); its config and tokenizer are used, so -c is optional"))

@@ -119,6 +119,9 @@ def _refuse_weight_flags(args) -> None:
 
 
 def _weight_spec(args):
+    """The spec of the --weights flags; left-out flags default to what a weight-only QAT model
+    was trained for (`Compress.Quantization`), else int4 g64 / int8 per row, head 8 bits."""
+    from gptforge.compress.weight_only_run import qat_weight_spec
     from gptforge.transforms.weight_only import WeightOnlySpec
 
     if args.act_order and args.method != "gptq":
@@ -133,9 +136,12 @@ def _weight_spec(args):
     if not 0 < args.damp < 1:
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
     bits = {"int8": 8, "int4": 4, "bf16": 16}[args.weights]
-    group = args.group_size if args.group_size is not None else (64 if bits == 4 else 0)
-    return WeightOnlySpec(bits=bits, group_size=group, sym=not args.asym,
-                          head_bits=8 if args.head_bits is None else args.head_bits, method=args.method)
+    qat = qat_weight_spec(args.ckpt)
+    default = qat or WeightOnlySpec(bits=bits, group_size=64 if bits == 4 else 0, head_bits=8)
+    return WeightOnlySpec(bits=bits, group_size=default.group_size if args.group_size is None else args.group_size,
+                          sym=default.sym and not args.asym,
+                          head_bits=default.head_bits if args.head_bits is None else args.head_bits,
+                          method=args.method)
 
 
 def _budget(args):
@@ -173,7 +179,7 @@ def _weights(args, cfg) -> int:
         r = quantize_weights(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
                              seq_len=args.seq_len, damp=args.damp, act_order=args.act_order, overwrite=True,
                              budget=budget)
-    fmt = args.weights + ("" if spec.bits == 16 else f" {'asym' if args.asym else 'sym'} "
+    fmt = args.weights + ("" if spec.bits == 16 else f" {'sym' if spec.sym else 'asym'} "
                           f"{'g' + str(spec.group_size) if spec.group_size else 'per row'}")
     if r.plan is not None:
         p = r.plan

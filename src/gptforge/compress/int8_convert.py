@@ -23,7 +23,13 @@ from torch import nn
 from gptforge.errors import ConfigError
 from gptforge.transforms.cpu_kernels import describe, fbgemm_available, fbgemm_kernel
 from gptforge.transforms.int8 import Int8Embedding, Int8Linear, convert_model, converted_config
-from gptforge.transforms.quant import QuantEmbedding, QuantLinear, quant_modules, reference_name
+from gptforge.transforms.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    quant_modules,
+    reference_name,
+    refuse_weight_only,
+)
 
 REPORT_FILE = "int8_report.json"
 
@@ -109,6 +115,7 @@ def convert_checkpoint(src: str | os.PathLike, out_dir: str | os.PathLike, *, cf
     q = cfg.Compress.Quantization
     if q.converted:
         raise ConfigError(f"{path}: is already an INT8 model (Compress.Quantization.converted: true)")
+    refuse_weight_only(q, "`quantize --convert` (INT8)")
     if not q.enable or not quant_modules(model):
         raise ConfigError(f"{path}: not a fake-quant model (Compress.Quantization.enable is false); "
                           "run `gptforge qat` or `gptforge ptq` first")

@@ -28,6 +28,7 @@ from gptforge.transforms.quant import (
     finish_observers,
     quant_modules,
     quantize_model,
+    refuse_weight_only,
     start_observers,
     validate_config,
 )
@@ -103,6 +104,7 @@ def ptq(cfg: Config, out_dir: str | os.PathLike, *, source: str | os.PathLike | 
     device = select_device(cfg.Global.device)
     model, cfg = load_model(src, cfg, device=device, with_structure=False)
     validate_config(q, len(model.blocks))  # cfg.Model now has the checkpoint's shape (pruned ones too)
+    refuse_weight_only(q, "PTQ")
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.Data.tokenizer, src if src.is_dir() else None)
     quantize_model(model, q)

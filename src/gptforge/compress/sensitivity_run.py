@@ -114,13 +114,14 @@ def _load_models(cfg: Config, mode: str, qat_ckpt, float_ckpt, tokenizer, device
     from gptforge.compress.ptq import calibrate, calibration_batches
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.model_io import load_model, resolve_checkpoint_path
-    from gptforge.transforms.quant import quantize_model, validate_config
+    from gptforge.transforms.quant import quantize_model, refuse_weight_only, validate_config
 
     main = resolve_checkpoint_path(qat_ckpt or float_ckpt)
     if mode == "ptq" and qat_ckpt is None:
         model, cfg = load_model(main, cfg, device=device, with_structure=False)
         q = dataclasses.replace(cfg.Compress.Quantization, enable=True, converted=False)
         validate_config(q, len(model.blocks))
+        refuse_weight_only(q, "`analyze` (ptq mode)")
         tokenizer = tokenizer or load_tokenizer(cfg.Data.tokenizer, main if main.is_dir() else None)
         quantize_model(model, q)
         calibrate(model, calibration_batches(cfg, tokenizer, q.calib_batches), q.calib_algo)
@@ -130,6 +131,7 @@ def _load_models(cfg: Config, mode: str, qat_ckpt, float_ckpt, tokenizer, device
                 f"scales calibrated on {q.calib_batches} Train batches ({q.calib_algo})", echo)
         return model, cfg, tokenizer, None
     model, cfg = load_model(main, cfg, device=device)
+    refuse_weight_only(cfg.Compress.Quantization, "`analyze` of a QAT model")
     tokenizer = tokenizer or load_tokenizer(cfg.Data.tokenizer, main if main.is_dir() else None)
     fmodel = None
     if float_ckpt is not None:

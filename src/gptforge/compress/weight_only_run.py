@@ -59,9 +59,48 @@ def _bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+def qat_weight_spec(src: str | os.PathLike) -> WeightOnlySpec | None:
+    """The weight-only format a weight-only QAT checkpoint (`Compress.Quantization.weight_only`)
+    was trained for; None for any other model."""
+    from gptforge.config.schema import QuantizationConfig
+    from gptforge.config.typed import build_section
+    from gptforge.model_io import read_checkpoint_config, resolve_checkpoint_path
+
+    raw = (read_checkpoint_config(resolve_checkpoint_path(src)).get("Compress") or {}).get("Quantization") or {}
+    if not (raw.get("enable") and raw.get("weight_only")):
+        return None
+    q = build_section(QuantizationConfig, raw, "Compress.Quantization")
+    return WeightOnlySpec(bits=q.weight_bits, group_size=q.group_size, sym=q.weight_sym, head_bits=q.head_bits,
+                          method="rtn")
+
+
+def check_qat_spec(spec: WeightOnlySpec, trained: WeightOnlySpec, path, budget: bool = False) -> None:
+    """UsageError naming the flag where `spec` differs from the format the QAT model at `path`
+    trained for: anything but its own round-to-nearest grid would undo what QAT learned."""
+    from gptforge.errors import UsageError
+
+    if spec.method != "rtn":
+        raise UsageError(f"--method {spec.method}: {path} is a weight-only QAT model; {spec.method.upper()} would "
+                         "re-round its weights and undo QAT: leave --method out (rtn on the trained grid)")
+    if budget or spec.layer_bits:
+        raise UsageError(f"--avg-bits / --max-bytes: {path} is a weight-only QAT model trained at fixed bit-widths; "
+                         "leave the budget out")
+    flags = (("bits", "--weights", lambda s: f"int{s.bits}" if s.bits < 16 else "bf16"),
+             ("group_size", "--group-size", lambda s: str(s.group_size)),
+             ("sym", "--asym", lambda s: "absent" if s.sym else "given"),
+             ("head_bits", "--head-bits", lambda s: str(s.head_bits)))
+    for field, flag, show in flags:
+        if getattr(spec, field) != getattr(trained, field):
+            fix = f"give {flag} {show(trained)}" + ("" if flag == "--weights" else f" or leave {flag} out")
+            raise UsageError(f"{flag} {show(spec)}: {path} was trained by weight-only QAT for {flag} "
+                             f"{show(trained)} (Compress.Quantization); {fix}")
+
+
 def load_float_model(src: str | os.PathLike, cfg=None):
     """(float model on CPU in fp32, cfg, tokenizer, path) of a model directory; ConfigError for a
-    weight-only, QAT/PTQ/INT8 or MoE model (weight-only quantization starts from a float model)."""
+    weight-only, QAT/PTQ/INT8 or MoE model (weight-only quantization starts from a float model).
+    A weight-only QAT model gives its float master weights and a config without quantization."""
+    from gptforge.config.schema import QuantizationConfig
     from gptforge.data.tokenizer import load_tokenizer
     from gptforge.errors import ConfigError
     from gptforge.model_io import load_model, resolve_checkpoint_path
@@ -72,8 +111,11 @@ def load_float_model(src: str | os.PathLike, cfg=None):
     if path.is_dir() and read_spec(path) is not None:
         raise ConfigError(f"{path}: is already weight-only quantized ({path / 'weight_only.json'}); "
                           "quantize the float model it came from")
-    model, cfg = load_model(path, cfg, device="cpu")
-    if is_fake_quantized(model) or cfg.Compress.Quantization.converted:
+    qat = qat_weight_spec(path) is not None
+    model, cfg = load_model(path, cfg, device="cpu", with_structure=not qat)
+    if qat:
+        cfg = dataclasses.replace(cfg, Compress=dataclasses.replace(cfg.Compress, Quantization=QuantizationConfig()))
+    elif is_fake_quantized(model) or cfg.Compress.Quantization.converted:
         raise ConfigError(f"{path}: a QAT/PTQ/INT8 model (Compress.Quantization.enable); weight-only "
                           "quantization starts from a float model (or use `quantize --convert`)")
     refuse_moe(model, "weight-only quantization")
@@ -101,7 +143,10 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     layer's bit-width (4 or 8) from a sensitivity plan (`bit_plan`), written beside the model."""
     from gptforge.model_io import atomic_dir, write_model_files
 
+    trained = qat_weight_spec(src)
     model, cfg, tokenizer, path = load_float_model(src, cfg)
+    if trained is not None:
+        check_qat_spec(spec, trained, path, budget=budget is not None)
     fbytes = _bytes(model)
     plan = None
     if budget is not None:
@@ -125,7 +170,8 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
         quantize_rtn_model(model, spec)
     with atomic_dir(out_dir, overwrite) as tmp:
         write_model_files(model, cfg, tmp, tokenizer)
-        spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path)})
+        spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path),
+                        "qat": trained is not None})
         if plan is not None:
             from gptforge.compress import bit_plan
 

@@ -296,6 +296,10 @@ class QuantizationConfig:
     freeze_embedding: bool = False  # word + position embeddings (and so the tied head) are not trained
     skip_tensor_map: dict[str, list[str]] = field(default_factory=dict)  # block_i: [qkv_proj|out_proj|linear1|linear2]
     skip_layers: list[str] = field(default_factory=list)  # globs over our names, e.g. "blocks.3.linear2", or reference names "linear_15"
+    weight_only: bool = False  # 4-bit QAT: only the weights are fake-quantized, group-wise on the grid of `gptforge quantize --weights` (activations float); `quantize --weights int4` of the checkpoint gives the weight-only model
+    group_size: int = 64  # weight_only: input columns per scale (and zero): 32 | 64 | 128 | 256, 0 = one per output row
+    weight_sym: bool = True  # weight_only: symmetric groups; false: asymmetric (an integer zero point per group, `quantize --asym`)
+    head_bits: int = 8  # weight_only: the tied embedding / LM head at 4 | 8 bits (same groups), 16 (bf16) or 32 (float, not quantized)
     quantize_embedding: bool = False  # also quantize the tied word embedding / LM head weight (per row, weight only); `quantize --convert` then stores it as int8
     moving_rate: float = 0.9  # moving_average_abs_max: accum = rate*accum + max|x|, state = rate*state + 1
     pact_init: float = 100.0  # PACT clip alpha at start

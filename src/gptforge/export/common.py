@@ -90,6 +90,7 @@ def fold_quantization(model: nn.Module) -> nn.Module:
 
 def check_plain_linears(model: nn.Module, what: str) -> None:
     """Refuse structures an export does not know how to write (wrapped or replaced layers)."""
+    from gptforge.transforms import weight_qat
     from gptforge.transforms.int8 import Int8Embedding, Int8Linear
     from gptforge.transforms.quant import QuantEmbedding, QuantLinear
 
@@ -98,6 +99,10 @@ def check_plain_linears(model: nn.Module, what: str) -> None:
     if moe:
         raise UsageError(f"blocks.{moe[0]} is a Mixture-of-Experts layer: {what} has no MoE form; the model "
                          "directory itself (model.safetensors + config.yaml) is the MoE export (docs/moe.md)")
+    if weight_qat.layers(model):  # subclasses of nn.Linear / nn.Embedding: their float weights are not what runs
+        raise UsageError(f"a 4-bit QAT model (Compress.Quantization.weight_only): {what} would write its float "
+                         "master weights, not the rounded ones it trained for (`gptforge quantize --weights int4` makes "
+                         "the weight-only model it computes)")
     for name, mod in block_linears(model):
         if not isinstance(mod, known):
             raise UsageError(f"{name} is a {type(mod).__name__}: {what} writes plain, fake-quant "

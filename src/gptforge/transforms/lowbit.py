@@ -47,14 +47,34 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_s
     return ((qf - zero.to(dtype).unsqueeze(-1)) * scale.to(dtype).unsqueeze(-1)).reshape(rows, cols)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
-    """Round-to-nearest: (q int8 [rows, cols], scale fp32 [rows, groups], zero [rows, groups])."""
+def rtn_grid(w: torch.Tensor, bits: int, group_size: int, sym: bool):
+    """Round-to-nearest: (q [rows, cols] as fp32 integers, scale fp32 [rows, groups], zero [rows, groups])."""
     rows, cols = w.shape
     g = group_size or cols
     wg = w.float().reshape(rows * (cols // g), g)
     scale, zero = group_params(wg, bits, sym)
     q = quantize_cols(wg, scale, zero, bits)
-    return q.reshape(rows, cols).to(torch.int8), scale.reshape(rows, -1), zero.reshape(rows, -1)
+    return q.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
+    """Round-to-nearest: (q int8 [rows, cols], scale fp32 [rows, groups], zero [rows, groups])."""
+    q, scale, zero = rtn_grid(w, bits, group_size, sym)
+    return q.to(torch.int8), scale, zero
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+    """`w` rounded to nearest on `quantize_rtn`'s grid and dequantized (fp32, the very numbers a
+    weight-only layer holding `quantize_rtn(w)` computes with); bits 16: the bf16 cast. The
+    gradient is the straight-through estimator: identity to `w` (min / max grids clip nothing),
+    none to the scales. Adding `w - w.detach()` (exactly 0) keeps the forward bit-exact."""
+    wd = w.detach()
+    if bits == 16:
+        fq = wd.to(torch.bfloat16).float()
+    else:
+        q, scale, zero = rtn_grid(wd, bits, group_size, sym)
+        fq = dequantize(q, scale, zero, group_size)
+    return fq + (w.float() - wd.float())
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,13 @@ The LM head, embeddings and attention matmuls stay float, unless `quantize_embed
 the tied embedding (lookup and head) to be weight-quantized per row. Every quantized module
 has per-layer switches (`weight_quant_enabled`, `act_quant_enabled`) for sensitivity analysis.
 Reference layer names are `linear_{4i+j}` (j: 0 qkv_proj, 1 out_proj, 2 linear1, 3 linear2).
+`weight_only: true` (4-bit QAT) swaps in `weight_qat`'s weight-only fake quant instead.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-import types
 from collections.abc import Iterable
 
 import torch
@@ -39,6 +39,8 @@ from torch import nn
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError
 from gptforge.model.gpt import BLOCK_LINEARS
+from gptforge.transforms import weight_qat
+from gptforge.transforms.head import install_head
 
 # The reference's short layer kinds (skip_tensor_map, LAYER_TYPES) -> the model's paths in a block.
 _KIND_PATH = {path.rpartition(".")[2]: path for path in BLOCK_LINEARS}
@@ -140,6 +142,17 @@ def validate_config(q: QuantizationConfig, num_layers: int | None = None) -> Non
     for pat in q.skip_layers:
         if not isinstance(pat, str) or not pat:
             raise bad("skip_layers", f"entries are name globs like blocks.3.linear2, got {pat!r}")
+    if q.weight_only:
+        weight_qat.validate(q)
+
+
+def refuse_weight_only(q: QuantizationConfig, what: str) -> None:
+    """INT8-activation tools (PTQ, sensitivity analysis, INT8 conversion) stop in one line on a
+    weight-only QAT config (docs/qat.md, 4-bit QAT)."""
+    if q.weight_only:
+        raise ConfigError(f"{_KEY}.weight_only: {what} works on INT8 fake quant (weights and activations); a "
+                          "weight-only QAT model becomes a weight-only model with `gptforge quantize --weights "
+                          f"int{q.weight_bits}`, a float model with `gptforge quantize --weights` (rtn|gptq|awq)")
 
 
 def skipped(name: str, q: QuantizationConfig) -> bool:
@@ -328,16 +341,6 @@ class QuantEmbedding(nn.Embedding):
         return F.linear(hidden, w)
 
 
-def _embedding_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    return self.wte.project(hidden)
-
-
-def install_head(model: nn.Module) -> None:
-    """Route the model's `logits` through `model.wte.project` (an instance attribute: the
-    model class stays untouched and the state dict does not change)."""
-    model.logits = types.MethodType(_embedding_logits, model)
-
-
 # ------------------------------------------------------------------------ the swap
 
 
@@ -366,9 +369,11 @@ def quantize_model(model: nn.Module, qcfg: QuantizationConfig) -> nn.Module:
         raise TypeError(f"quantize_model expects a gptforge GPT, got {type(model).__name__}")
     refuse_moe(model, "quantization (QAT, PTQ, analyze)")
     validate_config(qcfg, len(model.blocks))
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
+    if is_fake_quantized(model):
         raise ValueError("the model is already quantized")
-    for name in selected_layers(model, qcfg):
+    if qcfg.weight_only:  # 4-bit QAT: weights only, on the weight-only format's grid
+        weight_qat.apply(model, qcfg)
+    for name in [] if qcfg.weight_only else selected_layers(model, qcfg):
         lin = _get(model, name)
         if type(lin) is not nn.Linear:
             raise TypeError(f"{name}: expected nn.Linear, found {type(lin).__name__}")
@@ -388,7 +393,8 @@ def quant_modules(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def is_fake_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+    """INT8 fake quant (QuantLinear / QuantEmbedding) or weight-only fake quant (4-bit QAT)."""
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()) or bool(weight_qat.layers(model))
 
 
 def set_quant_enabled(model: nn.Module, names: Iterable[str] | None = None, *, weight: bool | None = None,
