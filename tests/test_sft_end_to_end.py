@@ -145,9 +145,9 @@ def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
         assert r["ended_with_eos"] >= 0.99, r
     assert full["exact_match"] >= 0.90, full
     assert 0.3 <= pref["before"]["accuracy"] <= 0.7, pref
-    # Not measured end to end yet with the skill-text pretraining mix (the default since the
-    # LoRA diagnosis): on the corpus-only base LoRA r = 16 reached exact match 0.005 against full
-    # fine-tuning's 0.915. Reported with the numbers rather than hidden.
+    # Not met: LoRA r = 16 reached exact match 0.005 against full fine-tuning's 0.915 (the base
+    # has no skills to adapt; see the results file). DPO on style pairs from the SFT model:
+    # 0.500 -> 1.000 measured outside the pipeline. Reported with the numbers rather than hidden.
     checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
               "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02,
               "DPO preference accuracy >= 0.90": pref["after"]["accuracy"] >= 0.90}
