@@ -139,18 +139,20 @@ def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
     full, lora, int8 = (res["sft"][m] for m in ("full", "lora", "lora_int8"))
     pref = res["dpo"]
     # Met in the measured run (benchmarks/results/2026-11-25-sft-end-to-end.md): every greedy
-    # answer ended with EOS, full fine-tuning's held-out exact match 0.915; DPO starts near chance.
+    # answer ended with EOS, full fine-tuning's held-out exact match 0.915. The DPO pairs (style:
+    # both answers right, a full stop after word answers only) start at 0.500 from the SFT model.
     for r in (full, lora, int8):
         assert r["ended_with_eos"] >= 0.99, r
     assert full["exact_match"] >= 0.90, full
     assert 0.3 <= pref["before"]["accuracy"] <= 0.7, pref
-    # Not met yet: LoRA r = 16 stays on the loss plateau that full fine-tuning leaves (exact match
-    # 0.005 against 0.915; the base, pretrained 400 steps, has little to adapt), and DPO reached
-    # 0.715. Reported with the numbers rather than hidden.
+    # Not met: LoRA r = 16 reached exact match 0.005 against full fine-tuning's 0.915 (the base
+    # has no skills to adapt; see the results file). DPO on style pairs from the SFT model:
+    # 0.500 -> 1.000 measured outside the pipeline. Reported with the numbers rather than hidden.
     checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
               "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02,
               "DPO preference accuracy >= 0.90": pref["after"]["accuracy"] >= 0.90}
     missed = [k for k, ok in checks.items() if not ok]
     if missed:
         pytest.xfail(f"issue 31 targets not reached: {missed}; exact match full {full['exact_match']}, LoRA "
-                     f"{lora['exact_match']}, LoRA over INT8 {int8['exact_match']}; DPO {pref['after']['accuracy']}")
+                     f"{lora['exact_match']}, LoRA over INT8 {int8['exact_match']}; DPO {pref['before']['accuracy']} "
+                     f"-> {pref['after']['accuracy']}")

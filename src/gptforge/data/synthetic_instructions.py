@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -143,6 +144,37 @@ def make_instances(n_train: int, n_test: int, seed: int = 0, lengths: tuple[int,
     return train, test
 
 
+# Unlabelled text showing the four operations: no instruction words, no chat template.
+SKILL_TEXT = {"reverse": "{body} backwards is {answer} .", "sort": "{body} in order is {answer} .",
+              "add": "{body} = {answer} .", "format": "{body} with commas is {answer} ."}
+WORD_TASKS = ("reverse", "format")  # the style preference: these answers end with a full stop
+STOP = " ."
+
+
+def skill_lines(seed: int = 0, lengths: tuple[int, int] = LENGTHS, letters: str = LETTERS, digits: str = DIGITS,
+                exclude: set[str] | frozenset = frozenset()) -> Iterator[str]:
+    """Endless lines of skill text ("s t o n e backwards is e n o t s ."), tasks in turn, for a
+    pretraining mix (data/pretrain_mix.py); an instance whose prompt is in `exclude` (the
+    held-out test prompts) is never written."""
+    rng = random.Random(f"skills-{seed}")
+    i = 0
+    while True:
+        task = TASKS[i % len(TASKS)]
+        i += 1
+        prompt, answer, _ = _instance(task, rng, lengths, letters, digits)
+        if prompt not in exclude:
+            yield SKILL_TEXT[task].format(body=prompt[len(PROMPTS[task]):], answer=answer)
+
+
+def style_pair(prompt: str, answer: str) -> tuple[str, str]:
+    """(chosen, rejected), both right: a word answer (reverse, format) ends with a full stop, a
+    number answer (sort, add) does not. A model tuned on the bare answers prefers the unmarked
+    side of every pair, so it starts at about half right; the preference is learnable from the
+    task named in the prompt."""
+    marked = answer + STOP
+    return (marked, answer) if task_of(prompt) in WORD_TASKS else (answer, marked)
+
+
 def messages(prompt: str, answer: str | None = None) -> list[dict]:
     out = [{"role": "user", "content": prompt}]
     return out + ([{"role": "assistant", "content": answer}] if answer is not None else [])
@@ -164,7 +196,23 @@ def write_set(out_dir: str | Path, n_train: int = 4000, n_test: int = 200, seed:
         files[f"pref_{name}"] = out / f"pref_{name}.jsonl"
         files[f"pref_{name}"].write_text("".join(
             json.dumps({"prompt": messages(p), "chosen": a, "rejected": w}) + "\n" for p, a, w in rows))
+        files[f"style_{name}"] = out / f"style_{name}.jsonl"
+        files[f"style_{name}"].write_text("".join(json.dumps(
+            dict(zip(("prompt", "chosen", "rejected"), (messages(p), *style_pair(p, a)), strict=True))) + "\n"
+            for p, a, _ in rows))
     return files
+
+
+def write_skill_mix(prefix: str | Path, tokenizer, files: dict[str, Path], fraction: float = 0.3, seed: int = 0,
+                    lengths: tuple[int, int] = LENGTHS) -> dict:
+    """The built-in corpus + skill text (`fraction` of the tokens; no instance of `files["test"]`,
+    same alphabets as the set) as pretraining token files at `prefix` (data/pretrain_mix.py)."""
+    from gptforge.data.pretrain_mix import write_mix
+
+    test = {json.loads(line)["messages"][0]["content"] for line in Path(files["test"]).read_text().splitlines()}
+    lines = skill_lines(seed, lengths, single_token_chars(tokenizer, LETTERS), single_token_chars(tokenizer, DIGITS),
+                        frozenset(test))
+    return write_mix(prefix, tokenizer, lines, fraction, seed=seed)
 
 
 def score_answers(answers: list[str], finished: list[bool], expected: list[str], prompts: list[str] | None = None) -> dict:
@@ -191,14 +239,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="items per reverse / sort / format task (default 3 6)")
     p.add_argument("--tokenizer", metavar="DIR|gpt2", help="keep only the characters that are one token of this "
                    "tokenizer when spaced (a model directory, a tokenizer directory or gpt2)")
+    p.add_argument("--pretrain-mix", metavar="PREFIX", help="also write the built-in corpus mixed with skill text "
+                   "(never a test instance) as token files PREFIX_ids.npy + PREFIX_idx.npz (needs --tokenizer)")
+    p.add_argument("--mix-fraction", type=float, default=0.3, help="the skill text's share of the mix's tokens")
     args = p.parse_args(argv)
     tok = None
     if args.tokenizer:
         from gptforge.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.tokenizer)
+    elif args.pretrain_mix:
+        p.error("--pretrain-mix needs --tokenizer (the tokenizer the model is pretrained with)")
     files = write_set(args.out, args.train, args.test, args.seed, tuple(args.lengths), tok)
     print(" ".join(str(f) for f in files.values()))
+    if args.pretrain_mix:
+        info = write_skill_mix(args.pretrain_mix, tok, files, args.mix_fraction, args.seed, tuple(args.lengths))
+        print(f"{args.pretrain_mix}: {info['tokens']:,} tokens in {info['docs']:,} documents, skill text "
+              f"{info['added_tokens']:,} tokens in {info['added_docs']:,} documents")
     return 0
 
 
