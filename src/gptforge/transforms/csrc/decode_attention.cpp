@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_isa.h"
+
 namespace {
 
 struct Slot {
@@ -145,11 +147,6 @@ void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* 
   }
 }
 
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 Slot slot_of(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& ks,
              const std::vector<at::Tensor>& vs, size_t r, int64_t H, int64_t D, int64_t start) {
   TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && k.size(1) == H && k.size(3) == D && k.is_contiguous() &&
@@ -186,7 +183,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   slots.reserve(R);
   for (int64_t r = 0; r < R; ++r) slots.push_back(slot_of(keys[r], values[r], k_scales, v_scales, r, H, D, starts[r]));
   const bool vec = isa > 0 && D % 8 == 0;
-  TORCH_CHECK(!vec || has_avx2(), "this CPU cannot run the AVX2 path");
+  TORCH_CHECK(!vec || gptforge_wo::cpu_has(gptforge_wo::kAvx2), "this CPU cannot run the AVX2 path");
   const Ops ops = vec ? Ops{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8}
                       : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
   at::Tensor out = at::empty({R, H, D}, q.options());

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa.h"
+#include "weight_operands.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -312,14 +313,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
   p.x = xin.data_ptr<float>();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
   p.scale = scale.data_ptr<float>();
-  if (zero.has_value() && zero->defined()) {
-    TORCH_CHECK(zero->is_contiguous() && zero->scalar_type() == at::kChar && zero->sizes() == scale.sizes(), "zero");
-    p.zero = zero->data_ptr<int8_t>();
-  }
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N, "bias");
-    p.bias = bias->data_ptr<float>();
-  }
+  gptforge_wo::optional_operands(zero, bias, scale, N, &p.zero, &p.bias);
   p.y = y.data_ptr<float>();
   p.M = M, p.N = N, p.K = K, p.G = G, p.g = g, p.bits = static_cast<int>(bits);
   const RowsFn fn = pick(isa, p.bits, M);
