@@ -189,7 +189,9 @@ class TorchBackend:
     number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant (LoRA pairs'
     A and B are packed too, so adapters stay batch-invariant, also served several at once). The
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
-    while the weights are unchanged (`release_packed(model)` frees them). Modules that
+    while the weights are unchanged (`release_packed(model)` frees them). One-row products take
+    the native fp32 GEMV in the packed kernel's exact order where a per-layer check at pack time
+    finds the same bits (`gemv_weight`; its 64-output blocks are one more copy). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
     `use_cache=False` recomputes the whole sequence every step (a reference path).
     `kv_cache_dtype` (`Generation.kv_cache_dtype`: auto | float32 | bfloat16 | int8) is the dtype
