@@ -21,11 +21,14 @@ BLOCK = 64
 def block_weight(w: torch.Tensor) -> torch.Tensor:
     """[N, K] fp32 weight -> [ceil(N/64), K, 64]: for each input k, 64 consecutive outputs' weights
     (the last block zero-padded)."""
+    w = w.detach()
     n, k = w.shape
-    nb = -(-n // BLOCK)
-    out = torch.zeros(nb * BLOCK, k, dtype=torch.float32)
-    out[:n] = w.detach()
-    return out.view(nb, BLOCK, k).transpose(1, 2).contiguous()
+    full, tail = divmod(n, BLOCK)
+    out = (torch.zeros if tail else torch.empty)(full + bool(tail), k, BLOCK, dtype=torch.float32)
+    out[:full].copy_(w[: full * BLOCK].view(full, BLOCK, k).transpose(1, 2))  # one copy, no padded staging
+    if tail:
+        out[full, :, :tail] = w[full * BLOCK:].t()
+    return out
 
 
 def available() -> bool:
