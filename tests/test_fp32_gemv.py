@@ -60,6 +60,13 @@ def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
         torch.set_num_threads(saved)
 
 
+def test_the_check_holds_outside_inference_mode(built):
+    """The backend may pack outside `inference_mode`, with a bias that requires grad."""
+    lin = torch.nn.Linear(256, 100)
+    p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACKED_LAYOUT_ROWS)
+    assert fp32_gemv.matches_packed(fp32_gemv.block_weight(lin.weight), p, lin.bias, 100, 256)
+
+
 def test_the_check_fails_on_other_bits(built):
     w = torch.randn(96, 2048)
     p = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS)

@@ -152,7 +152,8 @@ def release_packed(model: nn.Module) -> None:
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, gemv=None) -> torch.Tensor:
     """`gemv`: (64-output blocks, ISA path) for one-row inputs, or None (`gemv_weight`)."""
     if x.dtype == torch.float32 and not x.requires_grad:
-        if gemv is not None and x.numel() == x.shape[-1]:
+        # Under autograd oneDNN's op takes another path (other bits): the GEMV only where it was checked.
+        if gemv is not None and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
             return native_kernels.fp32_gemv(x, gemv[0], module.bias, module.out_features, gemv[1])
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
