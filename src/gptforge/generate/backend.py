@@ -29,6 +29,7 @@ from gptforge.adapters.multi import router_of
 from gptforge.config.sampling import kv_cache_dtype_name
 from gptforge.errors import ConfigError
 from gptforge.model.kv_cache import KV_DTYPES
+from gptforge.transforms import fp32_gemv, native_kernels
 
 
 @runtime_checkable
@@ -86,7 +87,7 @@ def _packed_linear_available() -> bool:
 class _Packed:
     weight: weakref.ref  # the exact Parameter the copy was made from
     stamp: tuple  # (data_ptr, version counter, fingerprint, rows layout)
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None  # None: a GEMV copy whose exactness check failed
 
 
 # Packed copies outlive one call: repacking the 124M model costs ~0.19 s (~3 ms per token of
@@ -123,14 +124,37 @@ def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int, name: str 
     return packed
 
 
+def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                path: str) -> torch.Tensor | None:
+    """`weight` in the one-row GEMV's 64-output blocks (`transforms/fp32_gemv.py`), or None where
+    that GEMV does not reproduce the packed kernel's bits for this layer on this CPU (checked once,
+    then cached with the packed copy, like it)."""
+    stamp = _stamp(weight, ("gemv", path))
+    entries = _PACKED.setdefault(module, {})
+    entry = entries.get("gemv")
+    if entry is not None and entry.weight() is weight and entry.stamp == stamp:
+        return entry.tensor
+    entries.pop("gemv", None)
+    wb = fp32_gemv.block_weight(weight)
+    n, k = weight.shape
+    if not fp32_gemv.matches_packed(wb, packed, bias, n, k, path):
+        wb = None  # never silently different bits: the packed kernel stays
+    entries["gemv"] = _Packed(weakref.ref(weight), stamp, wb)
+    return wb
+
+
 def release_packed(model: nn.Module) -> None:
     """Free the packed weight copies `fast_cpu_decode` keeps for `model`."""
     for mod in model.modules():
         _PACKED.pop(mod, None)
 
 
-def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, gemv=None) -> torch.Tensor:
+    """`gemv`: (64-output blocks, ISA path) for one-row inputs, or None (`gemv_weight`)."""
     if x.dtype == torch.float32 and not x.requires_grad:
+        # Under autograd oneDNN's op takes another path (other bits): the GEMV only where it was checked.
+        if gemv is not None and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
+            return native_kernels.fp32_gemv(x, gemv[0], module.bias, module.out_features, gemv[1])
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
 
@@ -143,6 +167,14 @@ def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.
         mid = torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(mid, b, None, "none", [], "")
     return F.linear(F.linear(x, pair.lora_A), pair.lora_B)
+
+
+def _gemv(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, bias, path: str | None) -> tuple | None:
+    """The one-row GEMV's (blocks, path) for a layer, or None: no native path, or not exact here."""
+    if path is None:
+        return None
+    wb = gemv_weight(module, weight, packed, bias, path)
+    return None if wb is None else (wb, path)
 
 
 class TorchBackend:
@@ -158,7 +190,9 @@ class TorchBackend:
     number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant (LoRA pairs'
     A and B are packed too, so adapters stay batch-invariant, also served several at once). The
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
-    while the weights are unchanged (`release_packed(model)` frees them). Modules that
+    while the weights are unchanged (`release_packed(model)` frees them). One-row products take
+    the native fp32 GEMV in the packed kernel's exact order where a per-layer check at pack time
+    finds the same bits (`gemv_weight`; its 64-output blocks are one more copy). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
     `use_cache=False` recomputes the whole sequence every step (a reference path).
     `kv_cache_dtype` (`Generation.kv_cache_dtype`: auto | float32 | bfloat16 | int8) is the dtype
@@ -178,6 +212,7 @@ class TorchBackend:
                         and _packed_linear_available())
         self._patched: list[nn.Linear] = []
         self._head: torch.Tensor | None = None
+        self._head_gemv: tuple | None = None  # (64-output blocks, ISA path): one-row logits
         self._was_training = False
         self._open = False
         self._packed_rows = 0  # 0: not packed (yet)
@@ -207,12 +242,14 @@ class TorchBackend:
     def _pack(self, rows: int) -> None:
         """Route Linears, LoRA pairs and the head through weights packed for GEMMs of `rows` rows."""
         self._packed_rows = rows
+        path = native_kernels.isa() if fp32_gemv.available() else None  # one-row GEMV (issue #32)
         try:
             for mod in self.model.modules():
                 # Exact type: quantized or otherwise wrapped Linears keep their own forward.
                 if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
                     packed = packed_weight(mod, mod.weight, rows)
-                    mod.forward = lambda x, _m=mod, _p=packed: _packed_forward(_m, _p, x)
+                    g = _gemv(mod, mod.weight, packed, mod.bias, path)
+                    mod.forward = lambda x, _m=mod, _p=packed, _g=g: _packed_forward(_m, _p, x, _g)
                     self._patched.append(mod)
                 elif isinstance(mod, LoraPair) and "low_rank" not in mod.__dict__ and mod.lora_A.dtype == torch.float32:
                     a = packed_weight(mod, mod.lora_A, rows, "lora_A")
@@ -221,6 +258,7 @@ class TorchBackend:
                     self._patched.append(mod)
             if type(self.model.wte) is nn.Embedding:
                 self._head = packed_weight(self.model.wte, self.model.wte.weight, rows)
+                self._head_gemv = _gemv(self.model.wte, self.model.wte.weight, self._head, None, path)
         except RuntimeError:  # an unusual build or layout: the plain path is always correct
             self._unpack()
 
@@ -230,6 +268,7 @@ class TorchBackend:
             mod.__dict__.pop("low_rank", None)
         self._patched.clear()
         self._head = None
+        self._head_gemv = None
 
     # -- the step interface -------------------------------------------------------------------
 
@@ -262,7 +301,9 @@ class TorchBackend:
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of final hidden states [R, hidden]."""
-        if self._head is not None:
+        if self._head_gemv is not None and h.shape[0] == 1:
+            logits = native_kernels.fp32_gemv(h, self._head_gemv[0], None, self.vocab_size, self._head_gemv[1])
+        elif self._head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(h, self._head, None, "none", [], "")
         else:
             logits = self.model.logits(h)

@@ -33,7 +33,7 @@ ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
-SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp")
+SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp")
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"
@@ -184,3 +184,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, l
     return getattr(torch.ops, _LIB).decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), keys, values,
                                                      ks, vs, starts, q.shape[-1] ** -0.5,
                                                      ISA_CODES[path or isa()])
+
+
+def fp32_gemv(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: int, path: str | None = None) -> torch.Tensor:
+    """One fp32 row x (numel K, last dim K) times the weight in 64-output blocks `wb` ([ceil(n/64), K, 64],
+    `transforms/fp32_gemv.block_weight`), plus bias: x's shape with n outputs, summed in the batch-invariant
+    packed kernel's order (csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
+    return getattr(torch.ops, _LIB).fp32_gemv(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])

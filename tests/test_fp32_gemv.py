@@ -1,0 +1,114 @@
+"""The one-row fp32 GEMV (`csrc/fp32_gemv.cpp`, `transforms/fp32_gemv.py`) against the reference it
+must reproduce bit for bit: PyTorch's oneDNN packed Linear in the batch-invariant small-batch
+layout the decode backend uses (`generate/backend.py`), on every instruction-set path this CPU
+runs, and the backend's routing of one-row products through it (issue #32)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from gf_testutil import tiny_model
+from gptforge.generate.backend import PACKED_LAYOUT_ROWS, TorchBackend, release_packed
+from gptforge.transforms import fp32_gemv, native_kernels
+
+ORDER = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def built():
+    why = native_kernels.unavailable()
+    if why and not shutil.which("c++"):
+        pytest.skip(f"no C++ compiler here: {why}")
+    assert why is None, why
+    return native_kernels.cpu_isa()
+
+
+def _packed(x, p, b):
+    return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+
+
+# Multiples of the 64-output blocks and not; K of one 1024-chunk, several, and a ragged last one.
+SHAPES = [(128, 768), (100, 64), (7, 3), (1000, 96), (65, 1025), (64, 2500), (192, 3072)]
+
+
+@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
+    if ORDER.index(path) > ORDER.index(built):
+        pytest.skip(f"this CPU runs at most the {built} path, not {path}")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = torch.randn(n, k) * torch.rand(n, 1)
+        b = torch.randn(n) if bias else None
+        p = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS)
+        wb = fp32_gemv.block_weight(w)
+        xs = torch.randn(5, k) * torch.logspace(-2, 2, 5)[:, None]
+        rows = _packed(xs, p, b)  # the packed kernel's rows are the same alone or in a batch
+        for i in range(5):
+            y = native_kernels.fp32_gemv(xs[i:i + 1], wb, b, n, path)
+            assert y.shape == (1, n)
+            assert torch.equal(y, _packed(xs[i:i + 1], p, b))
+            assert torch.equal(y[0], rows[i])
+        assert fp32_gemv.matches_packed(wb, p, b, n, k, path)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_check_holds_outside_inference_mode(built):
+    """The backend may pack outside `inference_mode`, with a bias that requires grad."""
+    lin = torch.nn.Linear(256, 100)
+    p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACKED_LAYOUT_ROWS)
+    assert fp32_gemv.matches_packed(fp32_gemv.block_weight(lin.weight), p, lin.bias, 100, 256)
+
+
+def test_the_check_fails_on_other_bits(built):
+    w = torch.randn(96, 2048)
+    p = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS)
+    wrong = fp32_gemv.block_weight(w + 1e-3)
+    assert not fp32_gemv.matches_packed(wrong, p, None, 96, 2048)
+
+
+def _decode(model, steps=6):
+    """Greedy one-row decode through the backend; the logits of every step."""
+    out = []
+    with TorchBackend(model) as be:
+        cache = be.new_cache(1, 16)
+        ids = torch.tensor([[5, 9, 2]])
+        logits = be.step(ids, torch.arange(3)[None], None, cache)
+        for i in range(steps):
+            out.append(logits)
+            ids = logits.argmax(-1, keepdim=True)
+            logits = be.step(ids, torch.tensor([[3 + i]]), None, cache)
+        routed = be._head_gemv is not None, sum(m.forward.__defaults__[-1] is not None for m in be._patched)
+    release_packed(model)
+    return out, routed
+
+
+def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypatch):
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    if fp32_gemv.available():
+        fast, (head, linears) = _decode(model)
+        assert head and linears == sum(type(m) is torch.nn.Linear for m in model.modules())
+    else:
+        pytest.skip("no vector path on this CPU")
+    monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    slow, (head, linears) = _decode(model)
+    assert not head and linears == 0
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+def test_a_failed_check_keeps_the_packed_kernel(built, monkeypatch):
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    ref, _ = _decode(model)
+    monkeypatch.setattr(fp32_gemv, "matches_packed", lambda *a, **k: False)
+    out, (head, linears) = _decode(model)
+    assert not head and linears == 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, out, strict=True))
