@@ -5,6 +5,7 @@ search), and its errors are one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,6 +28,13 @@ def _both(run_cli, model_dir, onnx_dir, *args):
     return want, got
 
 
+def _same_but_scores(want: str, got: str, tol: float) -> None:
+    score = re.compile(r"score (-?[0-9.]+)")
+    assert score.sub("score S", got) == score.sub("score S", want)
+    for a, b in zip(score.findall(want), score.findall(got), strict=True):
+        assert abs(float(a) - float(b)) <= tol, (a, b)
+
+
 @pytest.mark.parametrize("which", ["fp32", "int8"])
 def test_infer_greedy_equals_generate(run_cli, which, fp32, int8, tmp_path):
     model_dir, onnx_dir = fp32 if which == "fp32" else int8
@@ -34,7 +42,11 @@ def test_infer_greedy_equals_generate(run_cli, which, fp32, int8, tmp_path):
     # several prompts of different lengths: one left-padded batch
     # --force: infer writes over the file generate wrote (the JSON checked below is infer's)
     want, got = _both(run_cli, model_dir, onnx_dir, *prompts, *GREEDY, "--json", tmp_path / "out.json", "--force")
-    assert got == want and want.count("### prompt") == 3
+    # Same tokens and text; the summed log-probabilities within a tolerance: the two engines'
+    # attention kernels (gptforge's decode attention, onnxruntime's) differ in the last bits, and
+    # a fake-quant model's activation rounding can turn that into ~1e-3 in a sequence's score.
+    _same_but_scores(want, got, 1e-4 if which == "fp32" else 1e-2)
+    assert want.count("### prompt") == 3
     data = json.loads((tmp_path / "out.json").read_text())
     assert [r["prompt"] for r in data["results"]] == PROMPTS
     assert all(len(r["completions"][0]["token_ids"]) > 0 for r in data["results"])
