@@ -45,15 +45,17 @@ def _kernel_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def native_attention():
-    """The native CPU kernels (the decode attention among them) built; skipped only where no C++
-    compiler exists (elsewhere a failed build fails the test)."""
+def built():
+    """gptforge's native CPU kernels built (the weight-only products, the decode attention, the
+    fp32 GEMV): the best instruction-set path this CPU runs. Skipped only where no C++ compiler
+    exists (elsewhere a failed build fails the test)."""
     from gptforge.transforms import native_kernels
 
     why = native_kernels.unavailable()
     if why and not shutil.which("c++"):
         pytest.skip(f"no C++ compiler here: {why}")
     assert why is None, why
+    return native_kernels.cpu_isa()
 
 
 @pytest.fixture(autouse=True)

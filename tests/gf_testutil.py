@@ -33,3 +33,15 @@ def spread_gpt2_vocab_dir(path):
                 p.normal_(0.0, 0.15)
     save_model_dir(m, cfg, path, gpt2_tokenizer())
     return path
+
+
+ISA_ORDER = ("scalar", "avx2", "avx512")  # the native kernels' paths, each running on the CPUs the next one does
+
+
+def skip_unless_runs(path: str, best: str) -> None:
+    """Skip a test of native-kernel path `path` on a CPU whose best path is `best` (it would stop
+    on an illegal instruction)."""
+    import pytest
+
+    if ISA_ORDER.index(path) > ISA_ORDER.index(best):
+        pytest.skip(f"this CPU runs at most the {best} path, not {path}")

@@ -9,18 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gf_testutil import skip_unless_runs
 from gptforge.generate.slots import SeqSlot
 from gptforge.model.kv_cache import dequantize_int8
 from gptforge.transforms import native_kernels
 
 PATHS = ("scalar", "avx2")  # an AVX-512 CPU runs the AVX2 path
-
-
-def _runnable(path):
-    order = ("scalar", "avx2", "avx512")
-    best = native_kernels.cpu_isa()
-    if order.index(path) > order.index(best):
-        pytest.skip(f"this CPU runs at most the {best} path, not {path}")
 
 
 def _slots(starts, heads, dim, dtype, seed=0):
@@ -46,8 +40,8 @@ def _reference(slot, layer, q, end):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("dim", [64, 12])  # 12: not a multiple of the vector width
-def test_matches_reference_and_stores_like_kvcache(native_attention, path, dtype, dim):
-    _runnable(path)
+def test_matches_reference_and_stores_like_kvcache(built, path, dtype, dim):
+    skip_unless_runs(path, built)
     starts, heads = [0, 7, 1, 40, 3], 3
     ours, ref_slots = _slots(starts, heads, dim, dtype), _slots(starts, heads, dim, dtype)
     q, k, v = (torch.randn(len(starts), heads, dim) for _ in range(3))
@@ -62,8 +56,8 @@ def test_matches_reference_and_stores_like_kvcache(native_attention, path, dtype
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_invariant_to_threads_and_company(native_attention, path):
-    _runnable(path)
+def test_invariant_to_threads_and_company(built, path):
+    skip_unless_runs(path, built)
     starts, heads, dim = [5, 33, 2, 17, 64, 9, 1, 30], 4, 64
     q, k, v = (torch.randn(len(starts), heads, dim) for _ in range(3))
     n = torch.get_num_threads()
@@ -82,7 +76,7 @@ def test_invariant_to_threads_and_company(native_attention, path):
     assert torch.equal(torch.cat(alone), outs[0])
 
 
-def test_int8_read_matches_dequantized_slot(native_attention):
+def test_int8_read_matches_dequantized_slot(built):
     """int8 slots: the kernel attends over exactly the values `dequantize_int8` gives."""
     starts, heads, dim = [6, 11], 2, 64
     slots = _slots(starts, heads, dim, torch.int8)
@@ -95,7 +89,7 @@ def test_int8_read_matches_dequantized_slot(native_attention):
         torch.testing.assert_close(y[r].double(), (w[:, :, None] * vd[0].double()).sum(1), rtol=2e-6, atol=2e-6)
 
 
-def test_rejects_bad_operands(native_attention):
+def test_rejects_bad_operands(built):
     slots = _slots([3], 2, 64, torch.float32)
     q = torch.randn(1, 2, 64)
     with pytest.raises(RuntimeError, match="outside its capacity"):

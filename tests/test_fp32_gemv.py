@@ -5,25 +5,12 @@ runs, and the backend's routing of one-row products through it (issue #32)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from gf_testutil import tiny_model
+from gf_testutil import ISA_ORDER, skip_unless_runs, tiny_model
 from gptforge.generate.backend import PACKED_LAYOUT_ROWS, TorchBackend, release_packed
 from gptforge.transforms import fp32_gemv, native_kernels
-
-ORDER = ("scalar", "avx2", "avx512")
-
-
-@pytest.fixture(scope="module")
-def built():
-    why = native_kernels.unavailable()
-    if why and not shutil.which("c++"):
-        pytest.skip(f"no C++ compiler here: {why}")
-    assert why is None, why
-    return native_kernels.cpu_isa()
 
 
 def _packed(x, p, b):
@@ -34,13 +21,12 @@ def _packed(x, p, b):
 SHAPES = [(128, 768), (100, 64), (7, 3), (1000, 96), (65, 1025), (64, 2500), (192, 3072)]
 
 
-@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("path", ISA_ORDER)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
-    if ORDER.index(path) > ORDER.index(built):
-        pytest.skip(f"this CPU runs at most the {built} path, not {path}")
+    skip_unless_runs(path, built)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

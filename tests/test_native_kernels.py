@@ -17,26 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from gf_testutil import ISA_ORDER, skip_unless_runs
 from gptforge.errors import UsageError
 from gptforge.transforms import lowbit, native_kernels
 from gptforge.transforms.weight_only import KERNEL_ENV, NATIVE_MAX_ROWS, WeightOnlyEmbedding, WeightOnlyLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ORDER = ("scalar", "avx2", "avx512")
 
 
-@pytest.fixture(scope="module")
-def built():
-    why = native_kernels.unavailable()
-    if why and not shutil.which("c++"):
-        pytest.skip(f"no C++ compiler here: {why}")
-    assert why is None, why
-    return native_kernels.cpu_isa()
-
-
-def _runnable(path: str, best: str) -> None:
-    if ORDER.index(path) > ORDER.index(best):
-        pytest.skip(f"this CPU runs at most the {best} path, not {path}")
 
 
 def _tolerance_check(y: torch.Tensor, x: torch.Tensor, wf: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -55,12 +43,12 @@ FORMATS = [(8, 0, True, 96, 40), (8, 32, False, 96, 40), (8, 24, True, 72, 9), (
            (4, 48, True, 96, 3)]
 
 
-@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("path", ISA_ORDER)
 @pytest.mark.parametrize("bits,group,sym,k,n", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_path_equals_the_dequantized_reference(built, path, bits, group, sym, k, n, rows, bias):
-    _runnable(path, built)
+    skip_unless_runs(path, built)
     w = torch.randn(n, k) * torch.rand(n, 1)  # rows of different magnitudes
     q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
     packed = lowbit.pack_int4(q) if bits == 4 else q
@@ -79,15 +67,15 @@ def test_the_extremes_of_every_format(built):
         z = torch.tensor([lo, hi, 0, -1, lo + 1, hi - 1], dtype=torch.int8)[:, None].expand(6, 4).contiguous()
         x = torch.randn(2, q.shape[1])
         packed = lowbit.pack_int4(q) if bits == 4 else q
-        for path in ORDER[:ORDER.index(built) + 1]:
+        for path in ISA_ORDER[:ISA_ORDER.index(built) + 1]:
             y = native_kernels.weight_only_linear(x, packed, s, z, None, bits, path)
             _tolerance_check(y, x, lowbit.dequantize(q, s, z, q.shape[1] // 4), None)
 
 
-@pytest.mark.parametrize("path", ORDER)
+@pytest.mark.parametrize("path", ISA_ORDER)
 @pytest.mark.parametrize("bits,group,sym", [(8, 0, True), (8, 32, False), (4, 32, True), (4, 64, False)])
 def test_layers_take_the_forced_path(monkeypatch, built, path, bits, group, sym):
-    _runnable(path, built)
+    skip_unless_runs(path, built)
     monkeypatch.setenv(KERNEL_ENV, "native")
     monkeypatch.setenv(native_kernels.ISA_ENV, path)
     lin = WeightOnlyLinear.from_float(torch.randn(24, 128), torch.randn(24), bits, group, sym,
@@ -186,7 +174,7 @@ def _q8a_reference(x, q, s, z, group, bits):
                                                 (4, 64, False, 192, 16), (4, 0, True, 64, 5)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_q8a_equals_its_integer_reference(built, path, bits, group, sym, k, n, rows):
-    _runnable(path, built)
+    skip_unless_runs(path, built)
     w = torch.randn(n, k)
     q, s, z = lowbit.quantize_rtn(w, bits, group, sym)
     x = torch.randn(rows, k)

@@ -86,7 +86,7 @@ def test_ragged_steps_are_bit_identical_to_decoding_alone(model, seed):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kv", ["float32", "int8"])
-def test_native_decode_attention_is_batch_invariant(model, seed, kv, native_attention):
+def test_native_decode_attention_is_batch_invariant(model, seed, kv, built):
     """With the native decode attention (one kernel call per layer for every decode token),
     a sequence's logits equal those of decoding it alone through the same slots, bit for bit,
     whatever shares its steps, and stay within fp32 rounding of the classic path."""
