@@ -32,7 +32,7 @@ class Run:
         self.state = state
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.req = Request(prompts, params, n, self._sink)
+        self.req = Request(prompts, params, n, self._sink, keep_scores=False)  # no response carries them
         self.choices = [Choice() for _ in range(len(prompts) * n)]
         self.open = len(self.choices)
         self.error: str | None = None

@@ -34,8 +34,13 @@ class Scored:
     scores: torch.Tensor
     probs: torch.Tensor | None
 
-    def logprobs(self) -> torch.Tensor:
-        return torch.log_softmax(self.scores, dim=-1)
+    def logprobs(self, rows: Seq[int] | None = None) -> torch.Tensor:
+        """Log-probs of the processed scores: every row, or only `rows` (in that order; each row's
+        values are the same either way: log_softmax works row by row)."""
+        if rows is None or len(rows) == self.scores.shape[0]:
+            return torch.log_softmax(self.scores, dim=-1)
+        sel = torch.tensor(list(rows), dtype=torch.long, device=self.scores.device)
+        return torch.log_softmax(self.scores.index_select(0, sel), dim=-1)
 
 
 class Sampler:
@@ -77,8 +82,11 @@ class Sampler:
         groups: dict[tuple, list[int]] = {}
         for r, (seq, extra) in enumerate(rows):
             s = seq.sampling
-            groups.setdefault((id(s.processors), id(s.warpers), len(seq.prompt) + len(seq.generated) + len(extra)),
-                              []).append(r)
+            if not s.processors and s.warpers is None:
+                key: tuple = ()  # greedy rows without processors (any request): their scores are the logits
+            else:
+                key = (id(s.processors), id(s.warpers), len(seq.prompt) + len(seq.generated) + len(extra))
+            groups.setdefault(key, []).append(r)
         any_sampled = any(seq.sampling.warpers is not None for seq, _ in rows)
         if len(groups) == 1 and not rows[0][0].sampling.processors:
             scores = logits
