@@ -1,7 +1,8 @@
 """What the engine saves per served token keeps its results: the step's logits rows are read
 in place (no copy), greedy rows of any requests share one group (no per-row copies), and a
 request that keeps no scores (a server's) skips the vocabulary-wide log-softmax, while tokens,
-asked-for log-probs and offline scores stay those of each request alone."""
+asked-for log-probs and offline scores stay those of each request alone; greedy picks its
+token with a vectorized exact argmax."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from gf_testutil import tiny_model
 from gptforge.generate.backend import TorchBackend
 from gptforge.generate.engine import EngineCore, Request, SamplingParams, SchedulerConfig, TokenEvent
 from gptforge.generate.engine.runner import stack_rows
-from gptforge.generate.engine.sampler import Scored
+from gptforge.generate.engine.sampler import Scored, row_argmax
 from gptforge.generate.slots import slots_for
 from test_generate import _spread
 
@@ -35,6 +36,22 @@ def test_log_probs_of_some_rows_are_bitwise_those_of_all_rows():
     full = Scored(scores, None).logprobs()
     part = Scored(scores, None).logprobs([6, 0, 3])
     assert torch.equal(part, full[[6, 0, 3]])
+
+
+def test_row_argmax_is_torch_argmax():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 50257, generator=g)
+    x[1, 50250] = 9.0  # the maximum only in the partial last block
+    x[2, [10, 700, 50256]] = 9.0  # ties: the first wins
+    x[3, 5000] = float("nan")  # NaN wins (argmax's rule)
+    x[4] = float("-inf")
+    x[5, :] = 0.0
+    x[5, 3], x[5, 900] = -0.0, 0.0
+    x[6, [64, 63]] = 7.0  # ties across a block edge
+    x[7, 128] = float("inf")
+    for t in (x, x[:, :130], x[:, :100], x[2:9], torch.cat([x, x], 0)[::2]):
+        assert torch.equal(row_argmax(t), t.argmax(dim=-1))
+    assert torch.equal(row_argmax(x.double()), x.double().argmax(dim=-1))
 
 
 @pytest.fixture(scope="module")
