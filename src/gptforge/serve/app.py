@@ -50,6 +50,7 @@ class ServeState:
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request omits (ServeOptions)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters served by name over the base
     close: object = None  # releases the backend (the packed weights) when the server stops
+    mailbox: object = None  # bridge.Mailbox: the engine's events to the event loop, a step at a time
     draining: bool = False
     inflight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))

@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from gptforge.generate.engine.output import OutputProcessor
-from gptforge.generate.engine.runner import Work, run_step
+from gptforge.generate.engine.runner import Work, run_step, stack_rows
 from gptforge.generate.engine.sampler import Sampler
 from gptforge.generate.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from gptforge.generate.engine.sequence import Request, Sequence
@@ -164,12 +164,16 @@ class EngineCore:
         return self._fail if self.isolate else None
 
     def _choose(self, items: list) -> list:
-        """([token], its log-probs [1, V]) per (sequence, logits), None where the draw failed."""
+        """([token], [its log-probs [V], or None when nobody reads them]) per (sequence, logits),
+        None where the draw failed."""
         rows = [(s, ()) for s, _ in items]
-        scored = self.sampler.score(rows, torch.stack([o for _, o in items]))
-        logp = scored.logprobs()
+        scored = self.sampler.score(rows, stack_rows([o for _, o in items]))
         toks = self.sampler.choose(rows, scored, self._on_error())
-        return [None if tok is None else ([tok], logp[r:r + 1]) for r, tok in enumerate(toks)]
+        # A log-softmax over the vocabulary per row costs about what the sampler does: only for
+        # requests that keep scores (offline clients) or asked for log-probs.
+        want = [r for r, (s, _) in enumerate(rows) if s.req.keep_scores or s.params.logprobs is not None]
+        logp = dict(zip(want, scored.logprobs(want), strict=True)) if want else {}
+        return [None if tok is None else ([tok], [logp.get(r)]) for r, tok in enumerate(toks)]
 
     def _emit(self, items: list, now: float, verify: bool) -> None:
         """Choose (or verify) the tokens of `items`, then record them sequence by sequence."""

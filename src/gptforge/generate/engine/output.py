@@ -70,13 +70,15 @@ class OutputProcessor:
         self.eos = set(eos_token_ids)
         self.metrics = metrics
 
-    def record(self, seq, tok: int, logp: torch.Tensor, now: float) -> bool:
+    def record(self, seq, tok: int, logp: torch.Tensor | None, now: float) -> bool:
         """Record token `tok` of `seq` (`logp` [V]: log-probs of the processed distribution it was
-        chosen from) and send it; True when `seq` has finished."""
+        chosen from; None when the request neither keeps scores nor asked for log-probs) and send
+        it; True when `seq` has finished."""
         p = seq.params
         first = not seq.generated
         seq.generated.append(tok)
-        seq.logprob_sum += float(logp[tok])
+        if logp is not None:  # None: nobody reads this request's log-probs (`Request.keep_scores`)
+            seq.logprob_sum += float(logp[tok])
         self._observe(seq, first, now)
         lp = top = None
         if p.logprobs is not None:

@@ -46,3 +46,17 @@ def run_step(slots, works: Seq[Work], draft: bool = False) -> list[torch.Tensor 
         else:
             out.append(None)
     return out
+
+
+def stack_rows(rows: Seq[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack(rows)` of 1-d tensors, as a view without copying when they are consecutive
+    rows of one tensor (the plain decodes' logits of a step, in order)."""
+    first = rows[0]
+    n, width = len(rows), first.shape[-1]
+    if first.dim() == 1 and first.stride(0) == 1:
+        base, size, storage = first.data_ptr(), width * first.element_size(), first.untyped_storage().data_ptr()
+        if all(r.dim() == 1 and r.shape[0] == width and r.stride(0) == 1 and r.dtype == first.dtype
+               and r.data_ptr() == base + i * size and r.untyped_storage().data_ptr() == storage
+               for i, r in enumerate(rows)):
+            return first.as_strided((n, width), (width, 1))
+    return torch.stack(list(rows))

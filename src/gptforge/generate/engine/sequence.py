@@ -50,8 +50,12 @@ class Request:
     _ids = itertools.count()
 
     def __init__(self, prompts: Seq[Seq[int]], params: SamplingParams, n: int | None = None,
-                 sink: Callable[[object], None] | None = None):
+                 sink: Callable[[object], None] | None = None, keep_scores: bool = True):
+        """`keep_scores`: sum each sequence's chosen log-probs (`Sequence.logprob_sum`, the scores
+        of offline results); a server that never reports them turns it off (`params.logprobs`
+        still gets its log-probs)."""
         self.id = next(Request._ids)
+        self.keep_scores = keep_scores
         self.prompts = [list(p) for p in prompts]
         self.params = params
         self.n = int(n if n is not None else params.n)

@@ -20,6 +20,7 @@ class EngineService:
 
     def __init__(self, core: EngineCore):
         self.core = core
+        self._after_step: list = []
         self._cv = threading.Condition()
         self._draining = False
         self._stop = False
@@ -40,6 +41,11 @@ class EngineService:
             self.core.add(req)
             self._gauges()
             self._cv.notify()
+
+    def on_step(self, hook) -> None:
+        """Call `hook()` on the engine thread after each step (and after `abort_all`): a server
+        hands the events its sinks collected during the step to its event loop at once."""
+        self._after_step.append(hook)
 
     def cancel(self, req: Request) -> None:
         """Stop a request (its client went away); its slots are freed at the next step."""
@@ -64,6 +70,7 @@ class EngineService:
                 s.req.cancelled = True
                 self.core.output.finish(s, "abort", "")
             self._cv.notify()
+        self._stepped()
 
     def stop(self) -> None:
         with self._cv:
@@ -131,9 +138,16 @@ class EngineService:
                     return
                 plan = self.core.schedule()
                 self._gauges()
-            if plan:
-                with torch.inference_mode():
-                    self.core.step(plan)
-            with self._cv:
-                self.core.scheduler.drop_cancelled()
-                self._gauges()
+            try:
+                if plan:
+                    with torch.inference_mode():
+                        self.core.step(plan)
+                with self._cv:
+                    self.core.scheduler.drop_cancelled()
+                    self._gauges()
+            finally:
+                self._stepped()
+
+    def _stepped(self) -> None:
+        for hook in self._after_step:
+            hook()

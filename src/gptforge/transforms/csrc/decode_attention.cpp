@@ -110,12 +110,72 @@ __attribute__((target("avx2,fma"))) void axpy_avx2_i8(float p, const int8_t* x, 
     _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, load_i8x8(x + d), _mm256_loadu_ps(y + d)));
 }
 
+// The same sums, several at once. A position's dot product or an output's weighted sum is a
+// chain of dependent FMAs: one chain at a time leaves the FMA units waiting on its latency.
+// These run four positions' dot products side by side (each formed exactly as dot_avx2 forms
+// it) and keep the weighted sum's D outputs in registers across positions (each updated
+// exactly as axpy_avx2 updates it, in position order), so the results are bit for bit those of
+// the one-at-a-time loops.
+__attribute__((target("avx2,fma"))) void dot4_avx2(const float* q, const float* k, int64_t D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
+  }
+  out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
+}
+
+__attribute__((target("avx2,fma"))) void dot4_avx2_i8(const float* q, const int8_t* k, int64_t D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, load_i8x8(k + d), a0);
+    a1 = _mm256_fmadd_ps(x, load_i8x8(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(x, load_i8x8(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(x, load_i8x8(k + 3 * D + d), a3);
+  }
+  out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
+}
+
+// out[0..D) = sum over t of w[t] * v[t] (v float32, or int8 times w already scaled), D == 8 * NV.
+template <int NV, bool I8>
+__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* w, const void* v, int64_t T, float* out) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < T; ++t) {
+    const __m256 p = _mm256_set1_ps(w[t]);
+    for (int j = 0; j < NV; ++j) {
+      const __m256 x = I8 ? load_i8x8(static_cast<const int8_t*>(v) + (t * NV + j) * 8)
+                          : _mm256_loadu_ps(static_cast<const float*>(v) + (t * NV + j) * 8);
+      acc[j] = _mm256_fmadd_ps(p, x, acc[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+using WeightedSum = void (*)(const float*, const void*, int64_t, float*);
+
 struct Ops {
   float (*dot)(const float*, const float*, int64_t);
   float (*dot_i8)(const float*, const int8_t*, int64_t);
   void (*axpy)(float, const float*, float*, int64_t);
   void (*axpy_i8)(float, const int8_t*, float*, int64_t);
+  void (*dot4)(const float*, const float*, int64_t, float*) = nullptr;  // null: one position at a time
+  void (*dot4_i8)(const float*, const int8_t*, int64_t, float*) = nullptr;
+  WeightedSum wsum = nullptr;  // for this D (null: axpy per position)
+  WeightedSum wsum_i8 = nullptr;
 };
+
+Ops avx2_ops(int64_t D) {
+  Ops o{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8, dot4_avx2, dot4_avx2_i8};
+  if (D == 32) o.wsum = weighted_sum_avx2<4, false>, o.wsum_i8 = weighted_sum_avx2<4, true>;
+  if (D == 64) o.wsum = weighted_sum_avx2<8, false>, o.wsum_i8 = weighted_sum_avx2<8, true>;
+  if (D == 128) o.wsum = weighted_sum_avx2<16, false>, o.wsum_i8 = weighted_sum_avx2<16, true>;
+  return o;
+}
 
 // One (sequence, head): write the new key/value at `start`, then softmax(q.k / sqrt(d)).v over
 // positions 0..start. `scores` is the task's scratch buffer.
@@ -131,7 +191,19 @@ void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* 
   }
   scores.resize(T);
   float m = -INFINITY;
-  for (int64_t t = 0; t < T; ++t) {
+  int64_t t = 0;
+  if (ops.dot4) {  // the same dot products, four at a time (see dot4_avx2)
+    for (; t + 4 <= T; t += 4) {
+      float x[4];
+      if (s.k) ops.dot4(q, s.k + (base + t) * D, D, x);
+      else ops.dot4_i8(q, s.kq + (base + t) * D, D, x);
+      for (int j = 0; j < 4; ++j) {
+        scores[t + j] = (s.k ? x[j] : x[j] * s.ks[base + t + j]) * scale;
+        m = std::max(m, scores[t + j]);
+      }
+    }
+  }
+  for (; t < T; ++t) {
     const float x = s.k ? ops.dot(q, s.k + (base + t) * D, D)
                         : ops.dot_i8(q, s.kq + (base + t) * D, D) * s.ks[base + t];
     scores[t] = x * scale;
@@ -140,6 +212,12 @@ void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* 
   float sum = 0.f;
   for (int64_t t = 0; t < T; ++t) sum += (scores[t] = std::exp(scores[t] - m));
   const float inv = 1.f / sum;
+  if (s.v ? ops.wsum != nullptr : ops.wsum_i8 != nullptr) {  // the same weighted sum, outputs in registers
+    for (int64_t t = 0; t < T; ++t) scores[t] = s.v ? scores[t] * inv : scores[t] * inv * s.vs[base + t];
+    if (s.v) ops.wsum(scores.data(), s.v + base * D, T, out);
+    else ops.wsum_i8(scores.data(), s.vq + base * D, T, out);
+    return;
+  }
   std::fill(out, out + D, 0.f);
   for (int64_t t = 0; t < T; ++t) {
     if (s.v) ops.axpy(scores[t] * inv, s.v + (base + t) * D, out, D);
@@ -184,8 +262,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t r = 0; r < R; ++r) slots.push_back(slot_of(keys[r], values[r], k_scales, v_scales, r, H, D, starts[r]));
   const bool vec = isa > 0 && D % 8 == 0;
   TORCH_CHECK(!vec || gptforge_wo::cpu_has(gptforge_wo::kAvx2), "this CPU cannot run the AVX2 path");
-  const Ops ops = vec ? Ops{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8}
-                      : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
+  const Ops ops = vec ? avx2_ops(D) : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
   at::Tensor out = at::empty({R, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
