@@ -63,9 +63,10 @@ class StepLoop:
 
 
 class EngineLoop:
-    """Offline-engine decode steps of `batch` greedy sequences (prefill done before timing)."""
+    """Offline-engine decode steps of `batch` greedy sequences (prefill done before timing), of
+    random prompts of PROMPT tokens or of the given `prompt` (token ids) each."""
 
-    def __init__(self, backend, batch: int, steps: int):
+    def __init__(self, backend, batch: int, steps: int, prompt: list[int] | None = None):
         from gptforge.generate.engine.offline import offline_engine
         from gptforge.generate.engine.params import SamplingParams
         from gptforge.generate.engine.sequence import Request
@@ -74,7 +75,8 @@ class EngineLoop:
         g = torch.Generator().manual_seed(1)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, min_tokens=steps + 8)
         for _ in range(batch):
-            self.core.add(Request([torch.randint(0, 50256, (PROMPT,), generator=g).tolist()], params), bounded=False)
+            ids = prompt if prompt is not None else torch.randint(0, 50256, (PROMPT,), generator=g).tolist()
+            self.core.add(Request([ids], params), bounded=False)
         while any(s.chunks for s in self.core.scheduler.running) or self.core.scheduler.waiting:
             self.core.step()
 

@@ -8,8 +8,10 @@ GPT-2's vocabulary (50257 tokens; our model pads it to 50304 rows, the GGUF expo
 padding out). One prompt of `--prompt` random tokens, then `--new-tokens` greedy tokens; per-token
 decode time after the prompt. The engines, all at the same thread count:
 
-- gptforge fp32: the step loop `gptforge generate` uses (`TorchBackend`, KV cache, packed fp32
-  weights: `Generation.fast_cpu_decode`);
+- gptforge fp32: the decode loop `gptforge generate` runs (`--loop engine`, the default: one
+  `EngineCore.step` of the offline engine per token, greedy, batch 1: `TorchBackend` with packed
+  fp32 weights, per-sequence slots with the native decode attention, sampler and output
+  processing; `--loop step`: the bare `TorchBackend.step` over a `KVCache` with SDPA attention);
 - gptforge int8: the real INT8 model (`gptforge ptq` + `quantize --convert`: per-channel int8
   weights, static int8 activations, int8 embedding / head) through the same loop;
 - gptforge wo-int8 / wo-int4: `gptforge quantize --weights int8|int4` of the same weights (int8
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile import EngineLoop  # noqa: E402 - the engine's decode step
 from int8_speed import cpu_name, decode_times  # noqa: E402 - the shared decode loop and CPU line
 from lowbit_kernels import bandwidth_gbs  # noqa: E402 - the shared bandwidth probe
 
@@ -104,28 +107,47 @@ def _last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
+CLOCK = [time.perf_counter]  # --cpu-time (one thread): time.thread_time, for both engines
+
+
 def llama_times(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
     """(prefill seconds, per-token seconds) of llama.cpp's greedy decode through llama-cpp-python."""
+    clock = CLOCK[0]
     llm.reset()
-    t0 = time.perf_counter()
+    t0 = clock()
     llm.eval(prompt)
-    prefill = time.perf_counter() - t0
+    prefill = clock() - t0
     tok = int(np.argmax(_last_logits(llm)))
     steps = []
     for _ in range(new_tokens):
-        t = time.perf_counter()
+        t = clock()
         llm.eval([tok])
         tok = int(np.argmax(_last_logits(llm)))
-        steps.append(time.perf_counter() - t)
+        steps.append(clock() - t)
     return prefill, steps
 
 
-def _turn(name: str, eng, prompt, ids, n: int) -> list[float]:
+def engine_times(model, ids: list[int], new_tokens: int) -> list[float]:
+    """Per-token seconds of batch-1 greedy decode through the offline engine (`generate`'s loop)."""
+    from gptforge.generate.backend import TorchBackend
+
+    with TorchBackend(model) as be, torch.inference_mode():
+        loop = EngineLoop(be, 1, new_tokens, prompt=ids)
+        clock = CLOCK[0]
+        steps = []
+        for _ in range(new_tokens):
+            t = clock()
+            loop()
+            steps.append(clock() - t)
+    return steps
+
+
+def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[float]:
     """One engine's per-token decode seconds for `n` greedy tokens."""
     if not name.startswith("gptforge"):
         return llama_times(eng, ids, n)[1]
     with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(name.split()[-1])):
-        return decode_times(eng, prompt, n, True)[1]
+        return engine_times(eng, ids, n) if loop == "engine" else decode_times(eng, prompt, n, True)[1]
 
 
 def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:
@@ -155,11 +177,11 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
         engines[f"llama.cpp {t}"] = (llm, r.bytes)
     ids = prompt[0].tolist()
     for name, (eng, _) in engines.items():  # warm-up: first-call packing, page faults of the mapped file
-        _turn(name, eng, prompt, ids, 2)
+        _turn(name, eng, prompt, ids, 2, args.loop)
     rounds: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(args.rounds):
         for name, (eng, _) in engines.items():
-            rounds[name].append(statistics.median(_turn(name, eng, prompt, ids, args.new_tokens)))
+            rounds[name].append(statistics.median(_turn(name, eng, prompt, ids, args.new_tokens, args.loop)))
     for name, (eng, _) in engines.items():
         if not name.startswith("gptforge"):
             eng.close()
@@ -168,7 +190,8 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
 
 def report(preset: str, rows, args) -> None:
     print(f"\n### {preset}: batch 1, prompt {args.prompt}, {args.new_tokens} greedy tokens, {args.threads} threads, "
-          f"{args.rounds} interleaved rounds\n")
+          f"{args.rounds} interleaved rounds, gptforge's {args.loop} loop, "
+          f"{'thread CPU time' if CLOCK[0] is time.thread_time else 'wall time'}\n")
     print("| engine | weights | tokens/s (median) | spread (min-max of rounds) | ms/token | weight MB |")
     print("|---|---|---:|---:|---:|---:|")
     for name, per_round, nbytes in rows:
@@ -202,6 +225,11 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for both engines")
+    ap.add_argument("--loop", choices=["engine", "step"], default="engine",
+                    help="gptforge's decode loop: the offline engine `generate` runs, or the bare backend step")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --threads 1: time each token by the calling thread's CPU time (both engines compute "
+                    "in it), not wall time, which on a shared machine counts the time other processes hold the core")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
     ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
                     choices=["native", "native-q8a", "before"],
@@ -214,6 +242,11 @@ def main() -> int:
         print("llama-cpp-python is not installed: pip install 'gptforge[llama]'")
         return 2
     torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if args.threads != 1:
+            print("--cpu-time needs --threads 1 (other threads' time would go uncounted)")
+            return 2
+        CLOCK[0] = time.thread_time
     from gptforge.transforms.cpu_kernels import describe
 
     load0 = os.getloadavg()

@@ -11,14 +11,19 @@ per-round medians in microseconds and the weight bytes each streamed per microse
 `native-q8a`: the opt-in variant with int8 activations (integer dot products). A bandwidth probe (the sum of a 256 MB fp32 tensor, read once per call) bounds what streaming
 weights can reach; the int4 "weight-streaming limit" of a decode step is its bytes over that.
 `--rows`: the same kernels at batch M (`native` vs the path `auto` takes above it).
+`--baseline DIR`: another checkout's kernel sources (e.g. main's `src/gptforge/transforms/csrc`),
+built once into a temporary directory under a renamed op namespace and timed as `baseline native
+...` in the same rounds (before/after in one process).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,14 +34,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
 
 SHAPES = ((768, 3072), (3072, 768), (768, 50257))
+BASELINE_NS = "gptforge_wo_baseline"
+_BASELINE: list = []  # the baseline's op namespace, once built
+
+
+def load_baseline(src: str) -> None:
+    """Build the kernel sources in `src` under the op namespace BASELINE_NS and load them."""
+    from torch.utils import cpp_extension
+
+    from gptforge.transforms.native_kernels import CFLAGS, SOURCES
+
+    d = Path(tempfile.mkdtemp(prefix="gf-baseline-kernels-"))
+    for f in Path(src).iterdir():
+        if f.is_file():
+            text = f.read_text().replace("TORCH_LIBRARY(gptforge_wo,", f"TORCH_LIBRARY({BASELINE_NS},")
+            (d / f.name).write_text(text.replace("TORCH_LIBRARY_FRAGMENT(gptforge_wo,",
+                                                 f"TORCH_LIBRARY_FRAGMENT({BASELINE_NS},"))
+    try:
+        cpp_extension.load(BASELINE_NS, [str(d / s) for s in SOURCES if (d / s).is_file()], extra_cflags=list(CFLAGS),
+                           build_directory=str(d), is_python_module=False, verbose=False)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    _BASELINE.append(getattr(torch.ops, BASELINE_NS))
+
+
+CLOCK = [time.perf_counter]  # --cpu-time at one thread: time.thread_time (not the time others hold the core)
 
 
 def _time(f, reps: int) -> float:
+    clock = CLOCK[0]
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         f()
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
     return statistics.median(ts)
 
 
@@ -66,6 +97,15 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
                                   q8.numel() + 4 * n)
         out["native-q8a int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4, None, True),
                                       p4.numel() + 4 * s4.numel())
+        if _BASELINE:
+            code = native_kernels.ISA_CODES[native_kernels.isa()]
+            base = _BASELINE[0]
+            for op in ("linear", "linear_q8a"):
+                tag = "native" if op == "linear" else "native-q8a"
+                f = getattr(base, op)
+                out[f"baseline {tag} int8"] = (lambda f=f: f(x, q8, s8, None, None, 8, code), q8.numel() + 4 * n)
+                out[f"baseline {tag} int4 g64"] = (lambda f=f: f(x, p4, s4, None, None, 4, code),
+                                                   p4.numel() + 4 * s4.numel())
     if fbgemm_available():  # the real INT8 model's path: `split` rows (2 per row; the head's 2 digits: 4)
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
         pk = fbgemm_prepack(q8, s8[:, 0])
@@ -83,9 +123,13 @@ def bandwidth_gbs(reps: int = 9) -> float:
     return big.numel() * 4 / _time(lambda: big.sum(), reps) / 1e9
 
 
+ONLY: list[str] = []
+
+
 def table(threads: int, rows: int, rounds: int, reps: int) -> None:
     torch.set_num_threads(threads)
-    suites = {shape: kernels(*shape, rows) for shape in SHAPES}
+    suites = {shape: {k: v for k, v in kernels(*shape, rows).items()
+                      if not ONLY or k == "fp32 F.linear" or any(o in k for o in ONLY)} for shape in SHAPES}
     per: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for shape, ks in suites.items():
@@ -93,15 +137,18 @@ def table(threads: int, rows: int, rounds: int, reps: int) -> None:
                 f()
                 per.setdefault((shape, name), []).append(_time(f, reps))
     bw = bandwidth_gbs()
-    print(f"\n### {threads} thread(s), batch {rows}: median of {rounds} interleaved rounds x {reps} calls; "
+    clock = "thread CPU time" if CLOCK[0] is time.thread_time else "wall time"
+    print(f"\n### {threads} thread(s), batch {rows}, {clock}: median of {rounds} interleaved rounds x {reps} calls; "
           f"bandwidth probe {bw:.1f} GB/s; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
-    print("| shape (in x out) | kernel | us | GB/s of weights | vs fp32 F.linear |")
-    print("|---|---|---:|---:|---:|")
+    print("| shape (in x out) | kernel | us | GB/s of weights | vs fp32 F.linear | baseline's time / this |")
+    print("|---|---|---:|---:|---:|---:|")
     for shape, ks in suites.items():
         base = statistics.median(per[(shape, "fp32 F.linear")])
         for name, (_, nbytes) in ks.items():
             t = statistics.median(per[(shape, name)])
-            print(f"| {shape[0]}x{shape[1]} | {name} | {t * 1e6:.0f} | {nbytes / t / 1e9:.1f} | {base / t:.2f}x |")
+            b = per.get((shape, f"baseline {name}"))
+            vs = f"{statistics.median(b) / t:.2f}x" if b else ""
+            print(f"| {shape[0]}x{shape[1]} | {name} | {t * 1e6:.0f} | {nbytes / t / 1e9:.1f} | {base / t:.2f}x | {vs} |")
 
 
 def main() -> int:
@@ -110,6 +157,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1], help="batch sizes M")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=15, help="calls per kernel per round")
+    ap.add_argument("--baseline", metavar="DIR", help="another checkout's csrc/ to time alongside (see above)")
+    ap.add_argument("--only", nargs="*", default=None, help="only kernels whose name contains one of these")
+    ap.add_argument("--cpu-time", action="store_true", help="at 1 thread, time the calling thread's CPU time")
     args = ap.parse_args()
     from gptforge.transforms import native_kernels
 
@@ -117,9 +167,13 @@ def main() -> int:
     if why:
         print(f"gptforge's native kernels are unavailable: {why}")
         return 2
+    if args.baseline:
+        load_baseline(args.baseline)
+    ONLY[:] = args.only or []
     print(f"machine: {cpu_name()}; native path {native_kernels.isa()}; torch {torch.__version__}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for threads in args.threads:
+        CLOCK[0] = time.thread_time if args.cpu_time and threads == 1 else time.perf_counter
         for rows in args.rows:
             table(threads, rows, args.rounds, args.reps)
     return 0

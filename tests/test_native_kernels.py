@@ -45,7 +45,7 @@ FORMATS = [(8, 0, True, 96, 40), (8, 32, False, 96, 40), (8, 24, True, 72, 9), (
 
 @pytest.mark.parametrize("path", ISA_ORDER)
 @pytest.mark.parametrize("bits,group,sym,k,n", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_path_equals_the_dequantized_reference(built, path, bits, group, sym, k, n, rows, bias):
     skip_unless_runs(path, built)
@@ -56,6 +56,32 @@ def test_every_path_equals_the_dequantized_reference(built, path, bits, group, s
     x = torch.randn(rows, k)
     y = native_kernels.weight_only_linear(x, packed, s, None if sym else z.to(torch.int8), b, bits, path)
     _tolerance_check(y, x, lowbit.dequantize(q, s, z, group), b)
+
+
+@pytest.mark.parametrize("path", ISA_ORDER)
+@pytest.mark.parametrize("bits,group,q8a", [(8, 0, False), (4, 64, False), (8, 0, True), (4, 32, True)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_many_rows_on_two_threads(built, path, bits, group, q8a, rows):
+    """Enough output rows for the vector paths' row blocks, their prefetching ahead and the end
+    of the matrix, split between two threads at boundaries that are not multiples of a block."""
+    skip_unless_runs(path, built)
+    n, k = 1003, 256
+    w = torch.randn(n, k) * torch.rand(n, 1)
+    q, s, z = lowbit.quantize_rtn(w, bits, group, True)
+    x = torch.randn(rows, k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, None, None, bits, path,
+                                              q8_activations=q8a)
+    finally:
+        torch.set_num_threads(before)
+    if not q8a:
+        _tolerance_check(y, x, lowbit.dequantize(q, s, z, group), None)
+        return
+    xq, d, ref = _q8a_reference(x, q, s, None, group, bits)
+    size = (xq.abs().double() * d.repeat_interleave(32, 1)) @ (q.abs().double() + 8).T * s.abs().max()
+    assert bool(((y.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6 * size + 1e-7).all())
 
 
 def test_the_extremes_of_every_format(built):

@@ -161,8 +161,13 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ze
     [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32.
     `q8_activations`: the opt-in integer-dot variant (x rounded to int8 per block of 32 columns,
     `quantize_q8a`; groups of a multiple of 32 columns)."""
-    op = getattr(torch.ops, _LIB).linear_q8a if q8_activations else getattr(torch.ops, _LIB).linear
-    return op(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
+    return _linear_op(q8_activations)(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
+
+
+@functools.lru_cache(maxsize=2)
+def _linear_op(q8_activations: bool):
+    """The op object (looked up once: a decode step makes ~50 calls, each lookup costs microseconds)."""
+    return getattr(torch.ops, _LIB).linear_q8a if q8_activations else getattr(torch.ops, _LIB).linear
 
 
 def quantize_q8a(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

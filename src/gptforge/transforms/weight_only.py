@@ -172,6 +172,7 @@ class WeightOnlyLinear(nn.Module):
                                                                 device=device))
         if act_scale:
             self.register_buffer("act_scale", torch.ones(in_features, device=device))
+        self._awq = act_scale  # a plain attribute: `hasattr` on a module costs a raised AttributeError per call
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._kernel_weight, self._kernel_key = None, None
         self._kernel_choice: dict[tuple, str] = {}
@@ -220,8 +221,9 @@ class WeightOnlyLinear(nn.Module):
         """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring).
         Remembered per layer for what decides it (the forcing variables, batch rows up to the
         native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
-        key = (self.kernel, os.environ.get(KERNEL_ENV), os.environ.get(native_kernels.ISA_ENV),
-               min(x.shape[0], NATIVE_MAX_ROWS + 1), x.dtype, x.device.type)
+        env = os.environ
+        key = (self.kernel, env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV), min(x.shape[0], NATIVE_MAX_ROWS + 1),
+               x.dtype, x.is_cpu)
         got = self._kernel_choice.get(key)
         if got is None:
             got = self._kernel_choice[key] = self._choose_kernel(x)
@@ -272,14 +274,14 @@ class WeightOnlyLinear(nn.Module):
         """x · dequant(W)ᵀ (+ `bias`) on the chosen kernel."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if hasattr(self, "act_scale"):
+        if self._awq:
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
-        if kern.startswith("native"):
+        if kern.startswith("native"):  # fp32 in and out (`_native_fits`)
             zero = None if self.sym else self.weight_zero
             y = native_kernels.weight_only_linear(x2, self.weight, self.weight_scale, zero, bias, self.bits,
-                                                  q8_activations=kern == "native-q8a").to(x.dtype)
-            return y.reshape(*shape[:-1], self.out_features)
+                                                  q8_activations=kern == "native-q8a")
+            return y.view(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
         elif kern == "packed":

@@ -68,11 +68,12 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t G, bool permute,
     }
 }
 
-inline int offset(const Q8Problem& p, int64_t n, int64_t gi) {
+__attribute__((always_inline)) inline int offset(const Q8Problem& p, int64_t n, int64_t gi) {
   return (p.zero ? p.zero[n * p.G + gi] : 0) + (p.bits == 4 ? 8 : 0);
 }
 
-inline void finish(const Q8Problem& p, int64_t n, int64_t m, float dot, float corr) {
+// always inlined: called from the AVX2 rows, a call into non-VEX code costs more than the row
+__attribute__((always_inline)) inline void finish(const Q8Problem& p, int64_t n, int64_t m, float dot, float corr) {
   p.y[m * p.N + n] = dot - corr + (p.bias ? p.bias[n] : 0.f);
 }
 
@@ -111,44 +112,73 @@ GF_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int M, int BITS>
-GF_AVX2 void rows_avx2(const Q8Problem& p, int64_t n0, int64_t n1) {
-  const int64_t nb = p.K / kBlock, bpg = nb / p.G, row_bytes = BITS == 4 ? p.K / 2 : p.K;
+// 32 weights of one block as unsigned bytes for maddubs (int8: |q|, its sign moved onto x by
+// the caller; int4: the 16 low nibbles, then the 16 high ones).
+template <int BITS>
+GF_AVX2 inline __m256i block_bytes(const uint8_t* row, int64_t b) {
+  if (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+  return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0), _mm256_set1_epi8(0x0F));
+}
+
+// Rows [n, n + R): each block of xq (and its step) loaded once for the R rows; the next row
+// blocks prefetched (R interleaved streams defeat the hardware prefetcher).
+template <int M, int R, int BITS>
+GF_AVX2 inline void row_block(const Q8Problem& p, int64_t n) {
+  const int64_t nb = p.K / kBlock, bpg = nb / p.G, rb = BITS == 4 ? p.K / 2 : p.K;
+  constexpr int64_t block_bytes_per_row = BITS == 4 ? 16 : kBlock;
+  const char* pf = reinterpret_cast<const char*>(p.w + (n + 2 * R) * rb);
+  const char* pf_end = reinterpret_cast<const char*>(p.w + p.N * rb);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i lo4 = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.w + n * row_bytes;
-    __m256 tot[M];
-    float corr[M];
-    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), corr[m] = 0.f;
-    for (int64_t gi = 0; gi < p.G; ++gi) {
-      __m256 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
-        __m256i wu;  // unsigned weight bytes for maddubs (int8: |q|, its sign moved onto x)
-        if (BITS == 4) {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-          wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
-        } else {
-          wu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
-        }
+  const uint8_t* row[R];
+  __m256 tot[R][M];
+  float corr[R][M];
+  for (int r = 0; r < R; ++r) {
+    row[r] = p.w + (n + r) * rb;
+    for (int m = 0; m < M; ++m) tot[r][m] = _mm256_setzero_ps(), corr[r][m] = 0.f;
+  }
+  for (int64_t gi = 0; gi < p.G; ++gi) {
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+      for (int64_t j = 0; j < R * block_bytes_per_row; j += 64, pf += 64)
+        if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T0);
+      __m256i xv[M];
+      __m256 dv[M];
+      for (int m = 0; m < M; ++m) {
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + m * p.K + b * kBlock));
+        dv[m] = _mm256_set1_ps(p.d[m * nb + b]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i wu = block_bytes<BITS>(row[r], b);
         const __m256i wabs = BITS == 4 ? wu : _mm256_sign_epi8(wu, wu);
         for (int m = 0; m < M; ++m) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + m * p.K + b * kBlock));
-          if (BITS == 8) xv = _mm256_sign_epi8(xv, wu);
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(p.d[m * nb + b]), acc[m]);
+          const __m256i xs = BITS == 4 ? xv[m] : _mm256_sign_epi8(xv[m], wu);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv[m], acc[r][m]);
         }
       }
-      const float s = p.scale[n * p.G + gi];
-      const float so = s * static_cast<float>(offset(p, n, gi));
+    }
+    for (int r = 0; r < R; ++r) {
+      const float s = p.scale[(n + r) * p.G + gi];
+      const float so = s * static_cast<float>(offset(p, n + r, gi));
       for (int m = 0; m < M; ++m) {
-        tot[m] = _mm256_fmadd_ps(acc[m], _mm256_set1_ps(s), tot[m]);
-        corr[m] += so * p.gcorr[m * p.G + gi];
+        tot[r][m] = _mm256_fmadd_ps(acc[r][m], _mm256_set1_ps(s), tot[r][m]);
+        corr[r][m] += so * p.gcorr[m * p.G + gi];
       }
     }
-    for (int m = 0; m < M; ++m) finish(p, n, m, hsum(tot[m]), corr[m]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) finish(p, n + r, m, hsum(tot[r][m]), corr[r][m]);
+}
+
+template <int M, int BITS>
+GF_AVX2 void rows_avx2(const Q8Problem& p, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) row_block<M, R, BITS>(p, n);
+  for (; n < n1; ++n) row_block<M, 1, BITS>(p, n);
 }
 
 using RowsFn = void (*)(const Q8Problem&, int64_t, int64_t);
