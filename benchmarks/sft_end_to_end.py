@@ -38,6 +38,9 @@ class Plan:
 
     vocab: int = 2048
     pretrain_steps: int = 400
+    pretrain_lr: float = 2e-3
+    pretrain_dropout: float = 0.1  # the tiny CPU recipe's
+    pretrain_save_steps: int = -1  # checkpoints during pretraining (to probe the base as it learns)
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -67,6 +70,11 @@ class Plan:
     pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
     # share of skill text in the pretraining corpus (data/pretrain_mix.py; 0: the built-in corpus alone)
     skill_fraction: float = 0.0  # 0.3 tried: LoRA 100 steps 0.03 exact match (results file), not a fix yet
+    # then this many steps on skill-text documents packed one per segment (positions restarting, as
+    # SFT packs examples): the skills at fixed positions, which a pretrained base of this size and
+    # budget does not reach on running text (no copying circuit); 0: none
+    skill_steps: int = 0
+    skill_docs: int = 40000
 
 
 def cli(*argv) -> str:
@@ -122,15 +130,30 @@ def _common(plan: Plan) -> list[str]:
 def pretrain(work: Path, plan: Plan, corpus: str) -> Path:
     """`gptforge pretrain` of the tiny CPU recipe's shape on `corpus` (token files, or builtin)."""
     o = [f"Data.Train.dataset.input_dir={corpus}", f"Data.Eval.dataset.input_dir={corpus}",
-         f"Engine.max_steps={plan.pretrain_steps}", "Engine.eval_freq=-1", "Engine.save_load.save_steps=-1",
+         f"Engine.max_steps={plan.pretrain_steps}", "Engine.eval_freq=-1",
          "Global.global_batch_size=16", "Global.local_batch_size=16", "Global.micro_batch_size=16",
          f"Data.tokenizer={work / 'tok'}", f"Model.vocab_size={plan.vocab}", f"Model.hidden_size={plan.hidden}",
          f"Model.num_layers={plan.layers}", f"Model.num_attention_heads={plan.heads}",
          f"Model.ffn_hidden_size={4 * plan.hidden}", "Data.Train.dataset.max_seq_len=128",
-         "Data.Eval.dataset.max_seq_len=128", "Optimizer.lr.max_lr=2e-3", "Engine.logging_freq=50", "Global.device=cpu"]
+         "Data.Eval.dataset.max_seq_len=128", f"Optimizer.lr.max_lr={plan.pretrain_lr}", "Engine.logging_freq=50",
+         f"Model.hidden_dropout_prob={plan.pretrain_dropout}", f"Model.attention_probs_dropout_prob={plan.pretrain_dropout}",
+         f"Engine.save_load.save_steps={plan.pretrain_save_steps}", "Engine.save_load.keep_last=100", "Global.device=cpu"]
     cli("pretrain", "-c", "pretrain_gpt_tiny_cpu", *[x for k in o for x in ("-o", k)], "--out", work / "pre",
         "--no-progress")
     return work / "pre" / f"step_{plan.pretrain_steps}"
+
+
+def skill_tune(work: Path, plan: Plan, pre: Path, files: dict) -> Path:
+    """`plan.skill_steps` of full training of `pre` on skill-text documents (every token learned, no
+    template, no instruction words, no held-out instance), at the SFT rows' length."""
+    from gptforge.data.synthetic_instructions import write_skill_docs
+    from gptforge.data.tokenizer import load_tokenizer
+
+    docs = write_skill_docs(work / "skill_docs.jsonl", load_tokenizer(None, pre), files, plan.skill_docs,
+                            lengths=(plan.min_len, plan.max_len))
+    cli("sft", "--ckpt", pre, "--data", docs, "--out", work / "skill", "-o", f"Instruct.max_steps={plan.skill_steps}",
+        "-o", f"Optimizer.lr.max_lr={plan.sft_lr}", "-o", f"Optimizer.lr.min_lr={plan.sft_lr / 20}", *_common(plan))
+    return last_step(work / "skill")
 
 
 def int8_base(work: Path, pre: Path) -> Path:
@@ -200,6 +223,8 @@ def run_pipeline(work: str | os.PathLike, plan: Plan | None = None, echo=print) 
                                                       lengths=lengths)
             corpus = str(work / "mix" / "corpus")
         pre = pretrain(work, plan, corpus)
+        if plan.skill_steps:
+            pre = skill_tune(work, plan, pre, files)
     results["pretrain_minutes"] = round((time.time() - t) / 60, 1)
     echo(json.dumps({"pretrain": results["pretrain_minutes"], "mix": results.get("pretrain_mix")}), flush=True)
     for method in plan.methods:

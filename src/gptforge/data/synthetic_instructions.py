@@ -215,6 +215,20 @@ def write_skill_mix(prefix: str | Path, tokenizer, files: dict[str, Path], fract
     return write_mix(prefix, tokenizer, lines, fraction, seed=seed)
 
 
+def write_skill_docs(path: str | Path, tokenizer, files: dict[str, Path], n: int, seed: int = 1,
+                     lengths: tuple[int, int] = LENGTHS) -> Path:
+    """`n` lines of skill text as separate documents (`prompt_completion` records with an empty
+    prompt: every token learned, positions restarting per document when `gptforge sft` packs
+    them), never an instance of `files["test"]`; same alphabets as the set."""
+    test = {json.loads(line)["messages"][0]["content"] for line in Path(files["test"]).read_text().splitlines()}
+    lines = skill_lines(seed, lengths, single_token_chars(tokenizer, LETTERS), single_token_chars(tokenizer, DIGITS),
+                        frozenset(test))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": "", "completion": next(lines)}) + "\n" for _ in range(n)))
+    return path
+
+
 def score_answers(answers: list[str], finished: list[bool], expected: list[str], prompts: list[str] | None = None) -> dict:
     """Exact match (answers stripped) and the fraction that ended with EOS within the limit;
     with the prompts, the exact match of each task too (`by_task`)."""
