@@ -57,9 +57,8 @@ def test_skill_lines_are_right_and_never_a_held_out_instance():
 
 
 def test_skill_docs_are_one_line_each_learned_whole_and_never_a_held_out_instance(tmp_path):
-    from test_synthetic_instructions import _reference_answer
-
     from gptforge.data.packing import build_rows, encode_plain
+    from test_synthetic_instructions import _reference_answer
 
     tok = gpt2_tokenizer()
     files = write_set(tmp_path / "set", n_train=8, n_test=40, tokenizer=tok)
