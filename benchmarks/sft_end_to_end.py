@@ -158,7 +158,9 @@ def skill_tune(work: Path, plan: Plan, pre: Path, files: dict) -> Path:
 
 def int8_base(work: Path, pre: Path) -> Path:
     """The pretrained model as a real INT8 model: PTQ's calibrated fake-quant, then --convert."""
-    cli("ptq", "--ckpt", pre, "--out", work / "ptq", "--no-progress")
+    # calibrated on the built-in corpus: a skill-tuned base's own config names its SFT data, not token files
+    cli("ptq", "--ckpt", pre, "--out", work / "ptq", "-o", "Data.Train.dataset.input_dir=builtin", "-o",
+        "Data.Eval.dataset.input_dir=builtin", "--no-progress")
     cli("quantize", "--ckpt", work / "ptq", "--convert", "--out", work / "int8")
     return work / "int8"
 
