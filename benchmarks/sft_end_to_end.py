@@ -37,9 +37,9 @@ class Plan:
     """The sizes of a run (the defaults are the acceptance run's)."""
 
     vocab: int = 2048
-    pretrain_steps: int = 400
-    pretrain_lr: float = 2e-3
-    pretrain_dropout: float = 0.1  # the tiny CPU recipe's
+    pretrain_steps: int = 800
+    pretrain_lr: float = 3e-3
+    pretrain_dropout: float = 0.0  # the tiny CPU recipe has 0.1; a base this briefly trained underfits
     pretrain_save_steps: int = -1  # checkpoints during pretraining (to probe the base as it learns)
     hidden: int = 128
     layers: int = 4
@@ -69,11 +69,11 @@ class Plan:
     save_steps: int = -1  # checkpoints during SFT (for learning curves)
     pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
     # share of skill text in the pretraining corpus (data/pretrain_mix.py; 0: the built-in corpus alone)
-    skill_fraction: float = 0.0  # 0.3 tried: LoRA 100 steps 0.03 exact match (results file), not a fix yet
+    skill_fraction: float = 0.7
     # then this many steps on skill-text documents packed one per segment (positions restarting, as
     # SFT packs examples): the skills at fixed positions, which a pretrained base of this size and
     # budget does not reach on running text (no copying circuit); 0: none
-    skill_steps: int = 0
+    skill_steps: int = 500
     skill_docs: int = 40000
 
 

@@ -126,8 +126,9 @@ def test_the_mix_keeps_every_corpus_document_and_adds_the_asked_share(tmp_path):
 
 
 def test_the_cli_writes_the_set_and_refuses_a_mix_without_a_tokenizer(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "d"), "--train", "8", "--test", "4"]) == 0
+    assert main(["--out", str(tmp_path / "d"), "--train", "8", "--test", "4", "--skill-docs", "10"]) == 0
     assert (tmp_path / "d" / "style_train.jsonl").is_file()
+    assert len((tmp_path / "d" / "skill_docs.jsonl").read_text().splitlines()) == 10
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "d"), "--pretrain-mix", str(tmp_path / "m")])
     assert e.value.code == 2 and "--pretrain-mix needs --tokenizer" in capsys.readouterr().err
