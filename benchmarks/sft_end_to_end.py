@@ -5,15 +5,21 @@
 1. `gptforge tokenizer train --builtin`: a small BPE learned from the built-in corpus (a small
    vocabulary keeps the head cheap; the synthetic tasks give every character its own token in
    any byte-level BPE).
-2. `gptforge pretrain -c pretrain_gpt_tiny_cpu` with that tokenizer.
+2. `gptforge pretrain -c pretrain_gpt_tiny_cpu` with that tokenizer on the built-in corpus mixed
+   with unlabelled skill text (data/pretrain_mix.py, `Plan.skill_fraction` of the tokens), then
+   `Plan.skill_steps` steps on skill-text lines as separate documents (`gptforge sft` on
+   prompt/completion records with an empty prompt: every token learned, positions restarting),
+   so that the base holds the skills as a real pretrained model does and instruction tuning only
+   connects the instructions to them (benchmarks/results/2026-11-26-sft-end-to-end.md).
 3. The synthetic instruction set (gptforge.data.synthetic_instructions): training instances,
-   held-out test instances and preference pairs.
+   held-out test instances and preference pairs (written before pretraining: the skill text
+   never holds a held-out instance).
 4. `gptforge sft` three ways from the pretrained model: full fine-tuning; LoRA r=16 on all
    Linears; the same LoRA over the INT8 model (`gptforge ptq` + `gptforge quantize --convert`).
    Each is scored on the held-out instances with greedy answers (the model's chat template):
    exact match, per task, and the share ending with EOS within the token limit.
-5. `gptforge dpo` from the pretrained model on the preference pairs: held-out preference
-   accuracy before and after.
+5. `gptforge dpo` from the fully tuned model (the reference too) on the style preference pairs:
+   held-out preference accuracy before and after.
 
 Prints one JSON line per stage and a table; writes WORK/results.json. The slow test
 tests/test_sft_end_to_end.py runs `run_pipeline` (this file is its one implementation).
@@ -50,6 +56,7 @@ class Plan:
     batch: int = 16
     sft_epochs: int = 4
     sft_lr: float = 3e-3
+    lora_epochs: int = 0  # 0: sft_epochs (an adapter step costs less than a full one, so LoRA may run longer)
     lora_lr: float = 3e-3  # 1e-2 reached the same plateau more slowly (results file)
     lora_alpha: int = 32
     # every Linear: q/k/v/out_proj/linear1/linear2 of every block, and the (tied) vocabulary
@@ -67,7 +74,7 @@ class Plan:
     min_len: int = 3  # items per reverse / sort / format task
     max_len: int = 5
     save_steps: int = -1  # checkpoints during SFT (for learning curves)
-    pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
+    pretrained: str = ""  # an existing pretrained (and skill-tuned) model directory: skip steps 1-2
     # share of skill text in the pretraining corpus (data/pretrain_mix.py; 0: the built-in corpus alone)
     skill_fraction: float = 0.7
     # then this many steps on skill-text documents packed one per segment (positions restarting, as
@@ -168,10 +175,11 @@ def int8_base(work: Path, pre: Path) -> Path:
 def sft(work: Path, plan: Plan, base: Path, method: str, files: dict) -> dict:
     out = work / f"sft_{method}"
     lr = plan.sft_lr if method == "full" else plan.lora_lr
+    epochs = plan.lora_epochs if method != "full" and plan.lora_epochs else plan.sft_epochs
     extra = [] if method == "full" else ["--method", "lora", "-o", "Instruct.lora.r=16", "-o",
                                          f"Instruct.lora.alpha={plan.lora_alpha}", "-o", f"Instruct.lora.targets=[{plan.lora_targets}]"]
     t = time.time()
-    log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={plan.sft_epochs}",
+    log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={epochs}",
               "-o", f"Optimizer.lr.max_lr={lr}", "-o", f"Optimizer.lr.min_lr={lr / 20}", *extra, *_common(plan),
               "-o", f"Engine.save_load.save_steps={plan.save_steps}")
     minutes = (time.time() - t) / 60
