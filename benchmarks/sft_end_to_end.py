@@ -5,15 +5,21 @@
 1. `gptforge tokenizer train --builtin`: a small BPE learned from the built-in corpus (a small
    vocabulary keeps the head cheap; the synthetic tasks give every character its own token in
    any byte-level BPE).
-2. `gptforge pretrain -c pretrain_gpt_tiny_cpu` with that tokenizer.
+2. `gptforge pretrain -c pretrain_gpt_tiny_cpu` with that tokenizer on the built-in corpus mixed
+   with unlabelled skill text (data/pretrain_mix.py, `Plan.skill_fraction` of the tokens), then
+   `Plan.skill_steps` steps on skill-text lines as separate documents (`gptforge sft` on
+   prompt/completion records with an empty prompt: every token learned, positions restarting),
+   so that the base holds the skills as a real pretrained model does and instruction tuning only
+   connects the instructions to them (benchmarks/results/2026-11-26-sft-end-to-end.md).
 3. The synthetic instruction set (gptforge.data.synthetic_instructions): training instances,
-   held-out test instances and preference pairs.
+   held-out test instances and preference pairs (written before pretraining: the skill text
+   never holds a held-out instance).
 4. `gptforge sft` three ways from the pretrained model: full fine-tuning; LoRA r=16 on all
    Linears; the same LoRA over the INT8 model (`gptforge ptq` + `gptforge quantize --convert`).
    Each is scored on the held-out instances with greedy answers (the model's chat template):
    exact match, per task, and the share ending with EOS within the token limit.
-5. `gptforge dpo` from the pretrained model on the preference pairs: held-out preference
-   accuracy before and after.
+5. `gptforge dpo` from the fully tuned model (the reference too) on the style preference pairs:
+   held-out preference accuracy before and after.
 
 Prints one JSON line per stage and a table; writes WORK/results.json. The slow test
 tests/test_sft_end_to_end.py runs `run_pipeline` (this file is its one implementation).
@@ -37,7 +43,10 @@ class Plan:
     """The sizes of a run (the defaults are the acceptance run's)."""
 
     vocab: int = 2048
-    pretrain_steps: int = 400
+    pretrain_steps: int = 800
+    pretrain_lr: float = 3e-3
+    pretrain_dropout: float = 0.0  # the tiny CPU recipe has 0.1; a base this briefly trained underfits
+    pretrain_save_steps: int = -1  # checkpoints during pretraining (to probe the base as it learns)
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -47,6 +56,7 @@ class Plan:
     batch: int = 16
     sft_epochs: int = 4
     sft_lr: float = 3e-3
+    lora_epochs: int = 0  # 0: sft_epochs (an adapter step costs less than a full one, so LoRA may run longer)
     lora_lr: float = 3e-3  # 1e-2 reached the same plateau more slowly (results file)
     lora_alpha: int = 32
     # every Linear: q/k/v/out_proj/linear1/linear2 of every block, and the (tied) vocabulary
@@ -64,9 +74,14 @@ class Plan:
     min_len: int = 3  # items per reverse / sort / format task
     max_len: int = 5
     save_steps: int = -1  # checkpoints during SFT (for learning curves)
-    pretrained: str = ""  # an existing pretrained model directory: skip steps 1-2
+    pretrained: str = ""  # an existing pretrained (and skill-tuned) model directory: skip steps 1-2
     # share of skill text in the pretraining corpus (data/pretrain_mix.py; 0: the built-in corpus alone)
-    skill_fraction: float = 0.0  # 0.3 tried: LoRA 100 steps 0.03 exact match (results file), not a fix yet
+    skill_fraction: float = 0.7
+    # then this many steps on skill-text documents packed one per segment (positions restarting, as
+    # SFT packs examples): the skills at fixed positions, which a pretrained base of this size and
+    # budget does not reach on running text (no copying circuit); 0: none
+    skill_steps: int = 500
+    skill_docs: int = 40000
 
 
 def cli(*argv) -> str:
@@ -122,20 +137,37 @@ def _common(plan: Plan) -> list[str]:
 def pretrain(work: Path, plan: Plan, corpus: str) -> Path:
     """`gptforge pretrain` of the tiny CPU recipe's shape on `corpus` (token files, or builtin)."""
     o = [f"Data.Train.dataset.input_dir={corpus}", f"Data.Eval.dataset.input_dir={corpus}",
-         f"Engine.max_steps={plan.pretrain_steps}", "Engine.eval_freq=-1", "Engine.save_load.save_steps=-1",
+         f"Engine.max_steps={plan.pretrain_steps}", "Engine.eval_freq=-1",
          "Global.global_batch_size=16", "Global.local_batch_size=16", "Global.micro_batch_size=16",
          f"Data.tokenizer={work / 'tok'}", f"Model.vocab_size={plan.vocab}", f"Model.hidden_size={plan.hidden}",
          f"Model.num_layers={plan.layers}", f"Model.num_attention_heads={plan.heads}",
          f"Model.ffn_hidden_size={4 * plan.hidden}", "Data.Train.dataset.max_seq_len=128",
-         "Data.Eval.dataset.max_seq_len=128", "Optimizer.lr.max_lr=2e-3", "Engine.logging_freq=50", "Global.device=cpu"]
+         "Data.Eval.dataset.max_seq_len=128", f"Optimizer.lr.max_lr={plan.pretrain_lr}", "Engine.logging_freq=50",
+         f"Model.hidden_dropout_prob={plan.pretrain_dropout}", f"Model.attention_probs_dropout_prob={plan.pretrain_dropout}",
+         f"Engine.save_load.save_steps={plan.pretrain_save_steps}", "Engine.save_load.keep_last=100", "Global.device=cpu"]
     cli("pretrain", "-c", "pretrain_gpt_tiny_cpu", *[x for k in o for x in ("-o", k)], "--out", work / "pre",
         "--no-progress")
     return work / "pre" / f"step_{plan.pretrain_steps}"
 
 
+def skill_tune(work: Path, plan: Plan, pre: Path, files: dict) -> Path:
+    """`plan.skill_steps` of full training of `pre` on skill-text documents (every token learned, no
+    template, no instruction words, no held-out instance), at the SFT rows' length."""
+    from gptforge.data.synthetic_instructions import write_skill_docs
+    from gptforge.data.tokenizer import load_tokenizer
+
+    docs = write_skill_docs(work / "skill_docs.jsonl", load_tokenizer(None, pre), files, plan.skill_docs,
+                            lengths=(plan.min_len, plan.max_len))
+    cli("sft", "--ckpt", pre, "--data", docs, "--out", work / "skill", "-o", f"Instruct.max_steps={plan.skill_steps}",
+        "-o", f"Optimizer.lr.max_lr={plan.sft_lr}", "-o", f"Optimizer.lr.min_lr={plan.sft_lr / 20}", *_common(plan))
+    return last_step(work / "skill")
+
+
 def int8_base(work: Path, pre: Path) -> Path:
     """The pretrained model as a real INT8 model: PTQ's calibrated fake-quant, then --convert."""
-    cli("ptq", "--ckpt", pre, "--out", work / "ptq", "--no-progress")
+    # calibrated on the built-in corpus: a skill-tuned base's own config names its SFT data, not token files
+    cli("ptq", "--ckpt", pre, "--out", work / "ptq", "-o", "Data.Train.dataset.input_dir=builtin", "-o",
+        "Data.Eval.dataset.input_dir=builtin", "--no-progress")
     cli("quantize", "--ckpt", work / "ptq", "--convert", "--out", work / "int8")
     return work / "int8"
 
@@ -143,10 +175,11 @@ def int8_base(work: Path, pre: Path) -> Path:
 def sft(work: Path, plan: Plan, base: Path, method: str, files: dict) -> dict:
     out = work / f"sft_{method}"
     lr = plan.sft_lr if method == "full" else plan.lora_lr
+    epochs = plan.lora_epochs if method != "full" and plan.lora_epochs else plan.sft_epochs
     extra = [] if method == "full" else ["--method", "lora", "-o", "Instruct.lora.r=16", "-o",
                                          f"Instruct.lora.alpha={plan.lora_alpha}", "-o", f"Instruct.lora.targets=[{plan.lora_targets}]"]
     t = time.time()
-    log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={plan.sft_epochs}",
+    log = cli("sft", "--ckpt", base, "--data", files["train"], "--out", out, "-o", f"Instruct.epochs={epochs}",
               "-o", f"Optimizer.lr.max_lr={lr}", "-o", f"Optimizer.lr.min_lr={lr / 20}", *extra, *_common(plan),
               "-o", f"Engine.save_load.save_steps={plan.save_steps}")
     minutes = (time.time() - t) / 60
@@ -200,6 +233,8 @@ def run_pipeline(work: str | os.PathLike, plan: Plan | None = None, echo=print) 
                                                       lengths=lengths)
             corpus = str(work / "mix" / "corpus")
         pre = pretrain(work, plan, corpus)
+        if plan.skill_steps:
+            pre = skill_tune(work, plan, pre, files)
     results["pretrain_minutes"] = round((time.time() - t) / 60, 1)
     echo(json.dumps({"pretrain": results["pretrain_minutes"], "mix": results.get("pretrain_mix")}), flush=True)
     for method in plan.methods:

@@ -22,6 +22,7 @@ from gptforge.data.synthetic_instructions import (
     style_pair,
     task_of,
     write_set,
+    write_skill_docs,
 )
 from gptforge.data.tokenizer import gpt2_tokenizer
 from gptforge.errors import UsageError
@@ -53,6 +54,31 @@ def test_skill_lines_are_right_and_never_a_held_out_instance():
     assert not bodies & {b for _, b, _ in seen}
     free = {_parse(x)[1] for x in itertools.islice(skill_lines(0), 20000)}
     assert bodies & free
+
+
+def test_skill_docs_are_one_line_each_learned_whole_and_never_a_held_out_instance(tmp_path):
+    from gptforge.data.packing import build_rows, encode_plain
+    from test_synthetic_instructions import _reference_answer
+
+    tok = gpt2_tokenizer()
+    files = write_set(tmp_path / "set", n_train=8, n_test=40, tokenizer=tok)
+    bodies = {json.loads(x)["messages"][0]["content"].split(": ", 1)[1] for x in files["test"].read_text().splitlines()}
+    path = write_skill_docs(tmp_path / "docs.jsonl", tok, files, 3000)
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(recs) == 3000 and all(r["prompt"] == "" and "\n" not in r["completion"] for r in recs)
+    seen = [_parse(r["completion"]) for r in recs]
+    heads = {"reverse": "Reverse", "sort": "Sort", "add": "Add", "format": "List with commas"}
+    assert all(a == _reference_answer(f"{heads[t]}: {b}") for t, b, a in seen)
+    assert {t for t, _, _ in seen} == set(TASKS) and not bodies & {b for _, b, _ in seen}
+    # packed by `gptforge sft`: every document restarts at position 0 and all its tokens after the
+    # first are learned (an empty prompt)
+    ex = [encode_plain(tok, r["prompt"], r["completion"]) for r in recs[:12]]
+    rows = build_rows(ex, 64)
+    for r in range(len(rows.tokens)):
+        for s in set(rows.segments[r].tolist()) - {0}:
+            at = rows.segments[r] == s
+            assert rows.position_ids[r][at].tolist() == list(range(int(at.sum())))
+            assert rows.loss_mask[r][at].min() == 1
 
 
 def test_style_pairs_mark_word_answers_with_a_full_stop(tmp_path):
@@ -100,8 +126,9 @@ def test_the_mix_keeps_every_corpus_document_and_adds_the_asked_share(tmp_path):
 
 
 def test_the_cli_writes_the_set_and_refuses_a_mix_without_a_tokenizer(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "d"), "--train", "8", "--test", "4"]) == 0
+    assert main(["--out", str(tmp_path / "d"), "--train", "8", "--test", "4", "--skill-docs", "10"]) == 0
     assert (tmp_path / "d" / "style_train.jsonl").is_file()
+    assert len((tmp_path / "d" / "skill_docs.jsonl").read_text().splitlines()) == 10
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "d"), "--pretrain-mix", str(tmp_path / "m")])
     assert e.value.code == 2 and "--pretrain-mix needs --tokenizer" in capsys.readouterr().err

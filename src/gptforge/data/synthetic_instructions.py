@@ -215,6 +215,22 @@ def write_skill_mix(prefix: str | Path, tokenizer, files: dict[str, Path], fract
     return write_mix(prefix, tokenizer, lines, fraction, seed=seed)
 
 
+def write_skill_docs(path: str | Path, tokenizer, files: dict[str, Path], n: int, seed: int = 1,
+                     lengths: tuple[int, int] = LENGTHS) -> Path:
+    """`n` lines of skill text as separate documents (`prompt_completion` records with an empty
+    prompt: every token learned, positions restarting per document when `gptforge sft` packs
+    them), never an instance of `files["test"]`; same alphabets as the set (`tokenizer`: None keeps
+    every character)."""
+    test = {json.loads(line)["messages"][0]["content"] for line in Path(files["test"]).read_text().splitlines()}
+    alpha = (LETTERS, DIGITS) if tokenizer is None else (single_token_chars(tokenizer, LETTERS),
+                                                         single_token_chars(tokenizer, DIGITS))
+    lines = skill_lines(seed, lengths, *alpha, frozenset(test))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": "", "completion": next(lines)}) + "\n" for _ in range(n)))
+    return path
+
+
 def score_answers(answers: list[str], finished: list[bool], expected: list[str], prompts: list[str] | None = None) -> dict:
     """Exact match (answers stripped) and the fraction that ended with EOS within the limit;
     with the prompts, the exact match of each task too (`by_task`)."""
@@ -242,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-mix", metavar="PREFIX", help="also write the built-in corpus mixed with skill text "
                    "(never a test instance) as token files PREFIX_ids.npy + PREFIX_idx.npz (needs --tokenizer)")
     p.add_argument("--mix-fraction", type=float, default=0.3, help="the skill text's share of the mix's tokens")
+    p.add_argument("--skill-docs", type=int, default=0, metavar="N", help="also write N lines of skill text as "
+                   "separate documents, OUT/skill_docs.jsonl (prompt/completion records, never a test instance)")
     args = p.parse_args(argv)
     tok = None
     if args.tokenizer:
@@ -252,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pretrain-mix needs --tokenizer (the tokenizer the model is pretrained with)")
     files = write_set(args.out, args.train, args.test, args.seed, tuple(args.lengths), tok)
     print(" ".join(str(f) for f in files.values()))
+    if args.skill_docs:
+        print(write_skill_docs(Path(args.out) / "skill_docs.jsonl", tok, files, args.skill_docs,
+                               lengths=tuple(args.lengths)))
     if args.pretrain_mix:
         info = write_skill_mix(args.pretrain_mix, tok, files, args.mix_fraction, args.seed, tuple(args.lengths))
         print(f"{args.pretrain_mix}: {info['tokens']:,} tokens in {info['docs']:,} documents, skill text "
