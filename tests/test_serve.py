@@ -305,7 +305,9 @@ def test_sigterm_drains_then_exits_cleanly(ckpt, tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            if proc.poll() is not None or time.monotonic() >= deadline:  # kill first: read() waits for EOF
+                proc.kill()
+                pytest.fail("the server did not come up: " + proc.communicate(timeout=10)[0].decode()[-2000:])
             time.sleep(0.2)
         lines, first = [], threading.Event()
 
