@@ -140,18 +140,12 @@ def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
     print(json.dumps(res), e2e.table(res), sep="\n", flush=True)
     full, lora, int8 = (res["sft"][m] for m in ("full", "lora", "lora_int8"))
     pref = res["dpo"]
-    # Met in the measured run: every greedy answer ended with EOS; exact match full 0.995, LoRA
-    # (574 steps) 0.955, over INT8 0.905; DPO on the style pairs 0.500 -> 1.000 inside the run.
+    # The measured run (benchmarks/results/2026-11-26-sft-end-to-end.md): EOS 1.000 everywhere;
+    # exact match full 0.995, LoRA (860 steps) 0.995, LoRA over INT8 0.995; DPO on the style pairs
+    # 0.500 -> 1.000. Over the previous corpus-only base LoRA reached 0.005, so each check can fail.
     for r in (full, lora, int8):
         assert r["ended_with_eos"] >= 0.99, r
     assert full["exact_match"] >= 0.90, full
-    assert lora["exact_match"] >= 0.90 and int8["exact_match"] >= 0.85, (lora, int8)  # 0.5% before the new base
+    assert lora["exact_match"] >= full["exact_match"] - 0.02, (lora, full)
+    assert int8["exact_match"] >= lora["exact_match"] - 0.02, (int8, lora)
     assert 0.3 <= pref["before"]["accuracy"] <= 0.7 and pref["after"]["accuracy"] >= 0.90, pref
-    # Not met at 574 steps: LoRA 0.04 below full, INT8 0.05 below LoRA (addition: 0.98 / 0.86 /
-    # 0.70). Reported with the numbers rather than hidden.
-    checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
-              "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02}
-    missed = [k for k, ok in checks.items() if not ok]
-    if missed:
-        pytest.xfail(f"issue 31 targets not reached: {missed}; exact match full {full['exact_match']}, LoRA "
-                     f"{lora['exact_match']}, LoRA over INT8 {int8['exact_match']}")
