@@ -124,17 +124,19 @@ def test_sft_errors_are_one_line(tmp_path, run_cli):
 
 
 @pytest.mark.slow
-def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
+def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path, monkeypatch):
     """Issue 31's end-to-end acceptance, by benchmarks/sft_end_to_end.py's pipeline (its one
     implementation) at the measured run's sizes (benchmarks/results/2026-11-26-sft-end-to-end.md:
     about 45 minutes on 2 busy cores): pretrain on the corpus + 70% skill text, 500 steps on
     skill documents, SFT full / LoRA / LoRA over INT8, DPO from the fully tuned model."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "sft_end_to_end.py"
     spec = importlib.util.spec_from_file_location("sft_end_to_end", path)
     e2e = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, e2e)  # dataclasses resolve Plan's annotations through it
     spec.loader.exec_module(e2e)
     res = e2e.run_pipeline(tmp_path, e2e.Plan())
     print(json.dumps(res), e2e.table(res), sep="\n", flush=True)
