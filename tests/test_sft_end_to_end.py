@@ -124,35 +124,30 @@ def test_sft_errors_are_one_line(tmp_path, run_cli):
 
 
 @pytest.mark.slow
-def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path):
+def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path, monkeypatch):
     """Issue 31's end-to-end acceptance, by benchmarks/sft_end_to_end.py's pipeline (its one
-    implementation; benchmarks/results/2026-11-25-sft-end-to-end.md has the measured run)."""
+    implementation) at the measured run's sizes (benchmarks/results/2026-11-26-sft-end-to-end.md:
+    about 45 minutes on 2 busy cores): pretrain on the corpus + 70% skill text, 500 steps on
+    skill documents, SFT full / LoRA / LoRA over INT8, DPO from the fully tuned model."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "sft_end_to_end.py"
     spec = importlib.util.spec_from_file_location("sft_end_to_end", path)
     e2e = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, e2e)  # dataclasses resolve Plan's annotations through it
     spec.loader.exec_module(e2e)
     res = e2e.run_pipeline(tmp_path, e2e.Plan())
     print(json.dumps(res), e2e.table(res), sep="\n", flush=True)
     full, lora, int8 = (res["sft"][m] for m in ("full", "lora", "lora_int8"))
     pref = res["dpo"]
-    # Met in the measured run (benchmarks/results/2026-11-25-sft-end-to-end.md): every greedy
-    # answer ended with EOS, full fine-tuning's held-out exact match 0.915. The DPO pairs (style:
-    # both answers right, a full stop after word answers only) start at 0.500 from the SFT model.
+    # The measured run (benchmarks/results/2026-11-26-sft-end-to-end.md): EOS 1.000 everywhere;
+    # exact match full 0.995, LoRA (860 steps) 0.995, LoRA over INT8 0.995; DPO on the style pairs
+    # 0.500 -> 1.000. Over the previous corpus-only base LoRA reached 0.005, so each check can fail.
     for r in (full, lora, int8):
         assert r["ended_with_eos"] >= 0.99, r
     assert full["exact_match"] >= 0.90, full
-    assert 0.3 <= pref["before"]["accuracy"] <= 0.7, pref
-    # Not met: LoRA r = 16 reached exact match 0.005 against full fine-tuning's 0.915 (the base
-    # has no skills to adapt; see the results file). DPO on style pairs from the SFT model:
-    # 0.500 -> 1.000 measured outside the pipeline. Reported with the numbers rather than hidden.
-    checks = {"LoRA within 0.02 of full": lora["exact_match"] - full["exact_match"] >= -0.02,
-              "LoRA over INT8 within 0.02 of LoRA": int8["exact_match"] - lora["exact_match"] >= -0.02,
-              "DPO preference accuracy >= 0.90": pref["after"]["accuracy"] >= 0.90}
-    missed = [k for k, ok in checks.items() if not ok]
-    if missed:
-        pytest.xfail(f"issue 31 targets not reached: {missed}; exact match full {full['exact_match']}, LoRA "
-                     f"{lora['exact_match']}, LoRA over INT8 {int8['exact_match']}; DPO {pref['before']['accuracy']} "
-                     f"-> {pref['after']['accuracy']}")
+    assert lora["exact_match"] >= full["exact_match"] - 0.02, (lora, full)
+    assert int8["exact_match"] >= lora["exact_match"] - 0.02, (int8, lora)
+    assert 0.3 <= pref["before"]["accuracy"] <= 0.7 and pref["after"]["accuracy"] >= 0.90, pref
