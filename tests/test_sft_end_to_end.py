@@ -124,6 +124,7 @@ def test_sft_errors_are_one_line(tmp_path, run_cli):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(5400)  # ~45 min on 2 busy cores: past the suite's 900 s default
 def test_pretrain_sft_dpo_on_the_builtin_corpus(tmp_path, monkeypatch):
     """Issue 31's end-to-end acceptance, by benchmarks/sft_end_to_end.py's pipeline (its one
     implementation) at the measured run's sizes (benchmarks/results/2026-11-26-sft-end-to-end.md:
