@@ -116,26 +116,19 @@ __attribute__((target("avx2,fma"))) void axpy_avx2_i8(float p, const int8_t* x, 
 // it) and keep the weighted sum's D outputs in registers across positions (each updated
 // exactly as axpy_avx2 updates it, in position order), so the results are bit for bit those of
 // the one-at-a-time loops.
-__attribute__((target("avx2,fma"))) void dot4_avx2(const float* q, const float* k, int64_t D, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
-  }
-  out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
-}
+// A key's 8 values as floats: stored float32, or int8 (its scale applied by the caller).
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) { return load_i8x8(p); }
 
-__attribute__((target("avx2,fma"))) void dot4_avx2_i8(const float* q, const int8_t* k, int64_t D, float* out) {
+template <typename T>
+__attribute__((target("avx2,fma"))) void dot4_avx2(const float* q, const T* k, int64_t D, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, load_i8x8(k + d), a0);
-    a1 = _mm256_fmadd_ps(x, load_i8x8(k + D + d), a1);
-    a2 = _mm256_fmadd_ps(x, load_i8x8(k + 2 * D + d), a2);
-    a3 = _mm256_fmadd_ps(x, load_i8x8(k + 3 * D + d), a3);
+    a0 = _mm256_fmadd_ps(x, load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(x, load8(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(x, load8(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(x, load8(k + 3 * D + d), a3);
   }
   out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
 }
@@ -170,7 +163,7 @@ struct Ops {
 };
 
 Ops avx2_ops(int64_t D) {
-  Ops o{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8, dot4_avx2, dot4_avx2_i8};
+  Ops o{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8, dot4_avx2<float>, dot4_avx2<int8_t>};
   if (D == 32) o.wsum = weighted_sum_avx2<4, false>, o.wsum_i8 = weighted_sum_avx2<4, true>;
   if (D == 64) o.wsum = weighted_sum_avx2<8, false>, o.wsum_i8 = weighted_sum_avx2<8, true>;
   if (D == 128) o.wsum = weighted_sum_avx2<16, false>, o.wsum_i8 = weighted_sum_avx2<16, true>;

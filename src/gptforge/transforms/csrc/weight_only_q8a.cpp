@@ -190,16 +190,7 @@ RowsFn pick_m(int64_t isa, int bits) {
 }
 
 RowsFn pick(int64_t isa, int bits, int64_t M) {
-  switch (M) {
-    case 1: return pick_m<1>(isa, bits);
-    case 2: return pick_m<2>(isa, bits);
-    case 3: return pick_m<3>(isa, bits);
-    case 4: return pick_m<4>(isa, bits);
-    case 5: return pick_m<5>(isa, bits);
-    case 6: return pick_m<6>(isa, bits);
-    case 7: return pick_m<7>(isa, bits);
-    default: return pick_m<8>(isa, bits);
-  }
+  return gptforge_wo::for_rows(M, [&](auto m) { return pick_m<decltype(m)::value>(isa, bits); });
 }
 
 // The AVX-512 path of this variant is the AVX2 one (AVX-512 CPUs run it).
