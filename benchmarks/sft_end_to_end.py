@@ -165,7 +165,7 @@ def skill_tune(work: Path, plan: Plan, pre: Path, files: dict) -> Path:
 
 def int8_base(work: Path, pre: Path) -> Path:
     """The pretrained model as a real INT8 model: PTQ's calibrated fake-quant, then --convert."""
-    # calibrated on the built-in corpus: a skill-tuned base's own config names its SFT data, not token files
+    # calibrated on the built-in corpus (without -o: the pretraining mix the skill-tuned base keeps in its config)
     cli("ptq", "--ckpt", pre, "--out", work / "ptq", "-o", "Data.Train.dataset.input_dir=builtin", "-o",
         "Data.Eval.dataset.input_dir=builtin", "--no-progress")
     cli("quantize", "--ckpt", work / "ptq", "--convert", "--out", work / "int8")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gptforge.config.schema import Config
+from gptforge.config.schema import Config, DatasetConfig
 from gptforge.data.chat_template import ChatTemplate, template_for
 from gptforge.data.instructions import Record, read_records, split_records
 from gptforge.data.packing import Rows, build_rows, compact_batch, encode_plain, packed_attention_mask
@@ -75,6 +75,7 @@ def load_base(cfg: Config, pretrained: str | os.PathLike | None, device=None) ->
 
         device = select_device(cfg.Global.device)
     model, cfg = load_model(p, cfg, device=device)
+    inherit_text_dirs(cfg, read_checkpoint_config(p))
     tok = load_tokenizer(cfg.Data.tokenizer, p if p.is_dir() else None)
     if tok.vocab_size > model.wte.weight.shape[0]:
         raise ConfigError(f"Data.tokenizer: {tok.name!r} has {tok.vocab_size} tokens but the model's vocabulary is "
@@ -82,6 +83,19 @@ def load_base(cfg: Config, pretrained: str | os.PathLike | None, device=None) ->
     template = template_for(tok, cfg.Instruct.chat_template)
     cfg.Model.pretrained = str(p.resolve())
     return Base(model, cfg, tok.with_chat_template(template.source), template, p)
+
+
+def inherit_text_dirs(cfg: Config, base_raw: dict) -> None:
+    """Keep the base's pretraining text dirs where this run left `Data.<split>.dataset.input_dir` at its
+    default: tuning reads Instruct data, but the tuned model's config is what `ptq` calibrates on and
+    `eval` reads, and the default would name an unrelated `./data` (often the instruction data)."""
+    default = os.path.abspath(os.path.expanduser(DatasetConfig().input_dir))
+    for split in ("Train", "Eval", "Test"):
+        ds = getattr(cfg.Data, split).dataset
+        own = ds.input_dir
+        base = (((base_raw.get("Data") or {}).get(split) or {}).get("dataset") or {}).get("input_dir")
+        if base and own.lower() != "builtin" and os.path.abspath(os.path.expanduser(own)) == default:
+            ds.input_dir = str(base)
 
 
 def records(cfg: Config, preference: bool) -> tuple[list[Record], list[Record]]:
