@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -201,8 +202,6 @@ def test_cli_export_and_its_errors(run_cli, tmp_path):
 
     _one_line_error(*run_cli("export", "--format", "gguf", "--ckpt", src, "--out", tmp_path / "x.gguf",
                              "--gguf-type", "q3")[::2], "--gguf-type 'q3'", "f32, f16, q8_0, q4_0")
-    _one_line_error(*run_cli("export", "--format", "gguf", "--ckpt", src, "--out", tmp_path / "x.gguf",
-                             "--gguf-type", "q4_k")[::2], "q4_k", "no K-quant quantizer")
     _one_line_error(*run_cli("export", "--format", "gguf", "--ckpt", src, "--out", out)[::2],
                     "already exists", "--force")
     _one_line_error(*run_cli("export", "--format", "gguf", "--ckpt", src, "--out", tmp_path / "dir")[::2],
@@ -215,6 +214,57 @@ def test_cli_export_and_its_errors(run_cli, tmp_path):
     assert code == 0, err
     assert _read(out)[1]["general.file_type"] == gguf.LlamaFileType.MOSTLY_F16
     assert not os.path.exists(tmp_path / "x.gguf")
+
+
+def test_q4_k_without_llama_cpp_is_a_one_line_error(run_cli, tmp_path, monkeypatch):
+    model, cfg = peaky_model()
+    src = save(model, cfg, tmp_path / "model")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import raises ImportError: the extra is absent
+    _one_line_error(*run_cli("export", "--format", "gguf", "--ckpt", src, "--out", tmp_path / "x.gguf",
+                             "--gguf-type", "q4_k")[::2], "q4_k", "llama-cpp-python", "gptforge[llama]")
+    assert not os.path.exists(tmp_path / "x.gguf")
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_q4_k_is_llama_cpps_own_q4_k_m_and_llama_cpp_computes_what_the_file_holds(run_cli, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (extra `llama`)")
+    from gptforge.model_io import load_model
+
+    # K-quants need rows of whole 256-value super-blocks: hidden 256, FFN 512
+    model, cfg = peaky_model("Model.hidden_size=256", "Model.num_attention_heads=4", "Model.ffn_hidden_size=512")
+    src, out = save(model, cfg, tmp_path / "model"), tmp_path / "m.gguf"
+    code, stdout, err = run_cli("export", "--format", "gguf", "--ckpt", src, "--out", out, "--gguf-type", "q4_k")
+    assert code == 0, err
+    assert "llama.cpp Q4_K_M:" in stdout and "Q4_K" in stdout
+    _, fields, tensors = _read(out)
+    assert fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    K = gguf.GGMLQuantizationType
+    assert tensors["token_embd.weight"].tensor_type == K.Q6_K  # the tied head above the blocks, as Q4_K_M does
+    mats = [t for n, t in tensors.items() if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n]
+    assert {t.tensor_type for t in mats} <= {K.Q4_K, K.Q6_K} and K.Q4_K in {t.tensor_type for t in mats}
+    assert tensors["position_embd.weight"].tensor_type == K.F32
+    want = _expected(model)
+    for t in mats:  # every matrix is ours within the 4/6-bit formats' error
+        w = want[t.name]
+        assert np.abs(_dequantized(t) - w).max() <= 0.1 * np.abs(w).max(), t.name
+
+    assert run_cli("convert", "--src", out, "--out", tmp_path / "back")[0] == 0
+    back, _ = load_model(tmp_path / "back")
+    prompt = small_tokenizer().encode("the quick brown fox jumps over the lazy dog. pack my box with")
+    ours = back(torch.tensor([prompt])).logits[0]  # the file's weights, computed by us in fp32
+    quant_err = float((model(torch.tensor([prompt])).logits[0, :, :N_TOK] - ours).abs().max())
+    llm = llama_cpp.Llama(str(out), n_ctx=256, n_batch=256, n_threads=1, n_threads_batch=1, logits_all=True,
+                          verbose=False, seed=0, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    try:
+        llm.eval(prompt)
+        theirs = torch.from_numpy(np.array(llm.scores[:len(prompt)], dtype=np.float32))
+    finally:
+        llm.close()
+    # llama.cpp multiplies Q4_K/Q6_K blocks by 8-bit-quantized activations (its Q8_K): measured 0.32 at
+    # max |logit| 10, where the 4-bit weights themselves moved the logits by 2.9
+    diff = float((theirs - ours).abs().max())
+    assert diff <= 0.05 * float(ours.abs().max()) and diff <= 0.2 * quant_err, (diff, quant_err)
 
 
 @torch.no_grad()

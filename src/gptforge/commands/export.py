@@ -4,7 +4,7 @@
     gptforge export --format onnx --ckpt DIR --out onnx/                 # fp32, or INT8 QDQ from a QAT/PTQ/INT8 model
     gptforge export --format torch --ckpt DIR --out pt2/
     gptforge export --format hf --ckpt BASE --adapter LORA_DIR --out hf/  # the adapter merged (docs/lora.md)
-    gptforge export --format gguf --ckpt DIR --out model.gguf [--gguf-type f32|f16|q8_0|q4_0]   # llama.cpp
+    gptforge export --format gguf --ckpt DIR --out model.gguf [--gguf-type f32|f16|q8_0|q4_0|q4_k]   # llama.cpp
     gptforge infer --ckpt onnx/ --prompt "Hello"
 
 ONNX and torch exports are checked against the PyTorch model before anything is written
@@ -14,6 +14,7 @@ ONNX and torch exports are checked against the PyTorch model before anything is 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 from gptforge.commands.common import add_config_args, add_overwrite_arg
 from gptforge.errors import UsageError
@@ -31,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: a transformers GPT-2 directory; onnx: the decoding-step graph (fp32 or INT8 QDQ); "
                         "torch: the same step as a torch.export program; gguf: one file for llama.cpp")
     p.add_argument("--out", metavar="DIR", help="output directory (written atomically); gguf: the .gguf file")
-    p.add_argument("--gguf-type", metavar="{f32,f16,q8_0,q4_0}",
-                   help="gguf: how the 2-D weights are stored (default f32; q4_0 keeps the tied head at q8_0)")
+    p.add_argument("--gguf-type", metavar="{f32,f16,q8_0,q4_0,q4_k}",
+                   help="gguf: how the 2-D weights are stored (default f32; q4_0 keeps the tied head at q8_0; "
+                   "q4_k: llama.cpp's Q4_K_M, made by its own quantizer: needs llama-cpp-python)")
     p.add_argument("--precision", default="auto", metavar="{auto,fp32,int8}",
                    help="onnx/torch: auto (default) = int8 for a quantized model, else fp32; fp32 folds a quantized "
                         "model's weights (activations stay float)")
@@ -83,9 +85,10 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _validate_gguf(args: argparse.Namespace) -> None:
     from gptforge.commands.common import ensure_out_file
-    from gptforge.export.gguf import check_gguf_type
+    from gptforge.export.gguf import check_gguf_type, llama_quantizer
 
     args.gguf_type = check_gguf_type(args.gguf_type or "f32")
+    llama_quantizer(args.gguf_type)  # before the model loads: the optional extra it needs
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -179,6 +182,9 @@ def _gguf(model, cfg, tok, args) -> int:
         notes.append(f"{r.dropped_rows} padded-vocabulary rows left out")
     if r.f16_fallback:
         notes.append(f"{len(r.f16_fallback)} tensor(s) stored f16 (rows not whole blocks)")
+    if r.gguf_type == "q4_k":  # llama.cpp's mix: which matrices got which type
+        kinds = Counter(t for n, t in r.tensor_types.items() if n.endswith(".weight") and t not in ("F32",))
+        notes.append("llama.cpp Q4_K_M: " + ", ".join(f"{n} {t}" for t, n in sorted(kinds.items())))
     print(f"gptforge export: gguf {r.gguf_type}, gpt2, {r.n_vocab} tokens, n_head {r.n_head}, n_inner {r.n_inner}, "
           f"{r.bytes / 2**20:.1f} MiB{'; ' + '; '.join(notes) if notes else ''} -> {r.path}")
     return 0

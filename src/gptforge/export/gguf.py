@@ -23,7 +23,9 @@ real token are unchanged.
 
 `q4_0` keeps the tied embedding / head at `q8_0` (llama.cpp's `llama-quantize` likewise keeps the
 output matrix at a higher precision than the blocks): at 4 bits the head costs small models the
-most. `q4_k` is not offered: the `gguf` package has no K-quant quantizer (dequantize only).
+most. `q4_k` (llama.cpp's Q4_K_M mix) is written by llama.cpp's own quantizer through the optional
+`llama-cpp-python` package: the `gguf` package has no K-quant quantizer (dequantize only), and a
+second implementation of llama.cpp's search for K-quant scales would be a copy kept equal by hand.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from torch import nn
 
 from gptforge.errors import UsageError
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k")
+LLAMA_QUANTIZED = {"q4_k": 15}  # LLAMA_FTYPE_MOSTLY_Q4_K_M: made by llama.cpp from our f32 file
 ARCH = "gpt2"
 
 
@@ -59,12 +62,23 @@ class GGUFExport:
 def check_gguf_type(gguf_type: str) -> str:
     """`gguf_type` if the export writes it, else a one-line UsageError."""
     t = str(gguf_type).lower()
-    if t == "q4_k":
-        raise UsageError("--gguf-type q4_k: the gguf package has no K-quant quantizer (it only dequantizes "
-                         "them); choose one of " + ", ".join(GGUF_TYPES))
     if t not in GGUF_TYPES:
         raise UsageError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
     return t
+
+
+def llama_quantizer(gguf_type: str):
+    """llama.cpp's `llama_cpp` module for a type only its quantizer writes (else None); a one-line
+    UsageError when the optional extra is absent."""
+    if gguf_type not in LLAMA_QUANTIZED:
+        return None
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UsageError(f"--gguf-type {gguf_type}: written by llama.cpp's own K-quant quantizer, which needs "
+                         "llama-cpp-python (pip install 'gptforge[llama]'; it compiles llama.cpp); or choose "
+                         + ", ".join(t for t in GGUF_TYPES if t not in LLAMA_QUANTIZED)) from None
+    return llama_cpp
 
 
 def _qtype(name: str, gguf_type: str):
@@ -156,6 +170,7 @@ def save_gguf(model: nn.Module, path: str | os.PathLike, tokenizer, gguf_type: s
     from gptforge.fsguard import disk_full_guard
 
     gguf_type = check_gguf_type(gguf_type)
+    llama_cpp = llama_quantizer(gguf_type)
     if tokenizer is None:
         raise UsageError("a GGUF file carries its tokenizer: give the model's tokenizer")
     tensors, config, facts = gguf_tensors(model, tokenizer, model_cfg)
@@ -163,23 +178,59 @@ def save_gguf(model: nn.Module, path: str | os.PathLike, tokenizer, gguf_type: s
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), ARCH)
+    written = "f32" if llama_cpp else gguf_type  # llama.cpp quantizes from the exact file
+    quantized = tmp.with_name(tmp.name + ".q")
     try:
         with disk_full_guard(out):
-            _add_hparams(writer, config, gguf_type, name or out.stem)
+            _add_hparams(writer, config, written, name or out.stem)
             add_vocab(writer, vocab)
             for tname, a in tensors.items():
-                data, qtype = _encode(tname, a, gguf_type, facts)
+                data, qtype = _encode(tname, a, written, facts)
                 writer.add_tensor(tname, data, raw_dtype=qtype)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file(progress=False)
             writer.close()
+            if llama_cpp:
+                llama_quantize(llama_cpp, tmp, quantized, LLAMA_QUANTIZED[gguf_type])
+                os.replace(quantized, tmp)
+                facts.tensor_types = stored_types(tmp)
             fsync_path(tmp)
             os.replace(tmp, out)
             fsync_path(out.parent)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
+        quantized.unlink(missing_ok=True)
     facts.path, facts.gguf_type, facts.bytes = str(out), gguf_type, out.stat().st_size
     return facts
 
+
+
+def llama_quantize(llama_cpp, src: Path, dst: Path, ftype: int) -> None:
+    """`llama_model_quantize(src -> dst)` with llama.cpp's log kept off the terminal (shown on failure)."""
+    import ctypes
+    import tempfile
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)  # the C library writes its progress to fd 2
+        try:
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if rc != 0:
+            log.seek(0)
+            tail = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()][-1:]
+            raise UsageError(f"llama.cpp's quantizer failed on {src.name} (code {rc}): {' '.join(tail) or 'no message'}")
+
+
+def stored_types(path: Path) -> dict[str, str]:
+    """{tensor name: GGML type name} of a GGUF file."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
