@@ -76,7 +76,10 @@ class _Int8Weights(nn.Module):
         self._packed_key = None
 
     def _use_fast(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and self.weight.device.type == "cpu" and fast_kernel_available()
+        # No rows (a ragged step whose segments want no logits): the per-tensor step of an empty
+        # input is undefined, and the float path returns the empty product.
+        return (x.numel() > 0 and x.device.type == "cpu" and self.weight.device.type == "cpu"
+                and fast_kernel_available())
 
     def packed(self):
         key = (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(), self.weight_scale._version)
