@@ -36,21 +36,34 @@ def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
         wb = fp32_gemv.block_weight(w)
         xs = torch.randn(5, k) * torch.logspace(-2, 2, 5)[:, None]
         rows = _packed(xs, p, b)  # the packed kernel's rows are the same alone or in a batch
+        if not fp32_gemv.matches_packed(wb, p, b, n, k, path):
+            # Which order oneDNN sums in depends on the CPU and its oneDNN build (on a Xeon with
+            # AVX-512 + AMX and torch 2.11 it blocks K >= 768 otherwise): the backend's one-time
+            # check then keeps the packed kernel (test_a_failed_check_keeps_the_packed_kernel).
+            y = native_kernels.fp32_gemv(xs[:1], wb, b, n, path)
+            torch.testing.assert_close(y, rows[:1], rtol=1e-5, atol=1e-5)  # the same product, other rounding
+            pytest.skip(f"oneDNN's packed kernel sums {n}x{k} in another order on this CPU")
         for i in range(5):
             y = native_kernels.fp32_gemv(xs[i:i + 1], wb, b, n, path)
             assert y.shape == (1, n)
             assert torch.equal(y, _packed(xs[i:i + 1], p, b))
-            assert torch.equal(y[0], rows[i])
-        assert fp32_gemv.matches_packed(wb, p, b, n, k, path)
+        if not all(torch.equal(_packed(xs[i:i + 1], p, b)[0], rows[i]) for i in range(5)):
+            # A CPU property, not the GEMV's: seen on a Xeon with AVX-512 + AMX under torch 2.11
+            # (results/2026-11-26-avx512-check.md), where serving stays correct but not bit-equal.
+            pytest.skip(f"oneDNN's packed kernel is not batch-invariant for {n}x{k} on this CPU")
+        assert all(torch.equal(native_kernels.fp32_gemv(xs[i:i + 1], wb, b, n, path)[0], rows[i]) for i in range(5))
     finally:
         torch.set_num_threads(saved)
 
 
 def test_the_check_holds_outside_inference_mode(built):
-    """The backend may pack outside `inference_mode`, with a bias that requires grad."""
+    """The backend may pack outside `inference_mode`, with a bias that requires grad: the check
+    answers as it does for the same numbers with a plain bias."""
     lin = torch.nn.Linear(256, 100)
     p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACKED_LAYOUT_ROWS)
-    assert fp32_gemv.matches_packed(fp32_gemv.block_weight(lin.weight), p, lin.bias, 100, 256)
+    wb = fp32_gemv.block_weight(lin.weight)
+    plain = fp32_gemv.matches_packed(wb, p, lin.bias.detach().clone(), 100, 256)
+    assert fp32_gemv.matches_packed(wb, p, lin.bias, 100, 256) == plain
 
 
 def test_the_check_fails_on_other_bits(built):
@@ -76,14 +89,25 @@ def _decode(model, steps=6):
     return out, routed
 
 
+def _matching(model) -> tuple[bool, int]:
+    """(head, Linears) whose GEMV reproduces the packed kernel's bits on this CPU: what the backend routes."""
+    def ok(w, b):
+        p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_LAYOUT_ROWS)
+        return fp32_gemv.matches_packed(fp32_gemv.block_weight(w), p, b, w.shape[0], w.shape[1])
+    with torch.no_grad():
+        lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        return ok(model.wte.weight, None), sum(ok(m.weight, m.bias) for m in lins)
+
+
 def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypatch):
     torch.manual_seed(0)
     model, _ = tiny_model()
-    if fp32_gemv.available():
-        fast, (head, linears) = _decode(model)
-        assert head and linears == sum(type(m) is torch.nn.Linear for m in model.modules())
-    else:
+    if not fp32_gemv.available():
         pytest.skip("no vector path on this CPU")
+    fast, routed = _decode(model)
+    assert routed == _matching(model)  # every layer whose check passes, and only those
+    if routed == (False, 0):
+        pytest.skip("oneDNN's packed kernel sums in another order on this CPU: nothing to route")
     monkeypatch.setenv(native_kernels.ISA_ENV, "off")
     slow, (head, linears) = _decode(model)
     assert not head and linears == 0
