@@ -129,8 +129,12 @@ def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, b
     """`weight` in the one-row GEMV's 64-output blocks (`transforms/fp32_gemv.py`), or None where
     that GEMV does not reproduce the packed kernel's bits for this layer on this CPU (checked once,
     then cached with the packed copy, like it)."""
-    stamp = _stamp(weight, ("gemv", path))
     entries = _PACKED.setdefault(module, {})
+    base = entries.get("weight")  # the packed copy just validated for this weight: its reading of it serves
+    if base is not None and base.tensor is packed and base.weight() is weight:
+        stamp = (*base.stamp[:3], ("gemv", path))
+    else:
+        stamp = _stamp(weight, ("gemv", path))
     entry = entries.get("gemv")
     if entry is not None and entry.weight() is weight and entry.stamp == stamp:
         return entry.tensor
