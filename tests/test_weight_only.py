@@ -86,9 +86,10 @@ def test_every_kernel_equals_the_dequantized_reference(monkeypatch, bits, group,
 
 def test_auto_kernel_follows_the_probes():
     m = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
-    want = ("native" if not native_kernels.unavailable() else "packed" if packed_is_exact(4)
-            else "bf16" if native_bf16() else "fp32")
+    want = "native" if not native_kernels.unavailable() else "bf16" if native_bf16() else "fp32"
     assert m.kernel_for(torch.randn(2, 64)) == want
+    # past the native kernels' rows: the dequantized path, never PyTorch's (slower) packed kernels
+    assert m.kernel_for(torch.randn(64, 64)) == ("bf16" if native_bf16() else "fp32")
 
 
 def test_bad_kernel_env_is_a_usage_error(monkeypatch):
