@@ -66,15 +66,18 @@ def heldout_text(work: Path, tok, cfg) -> Path:
     return path
 
 
-def train(work: Path, tok, tok_dir: Path, args) -> tuple[Path, object]:
+def train(work: Path, tok, tok_dir: Path, args, shape: tuple[str, ...] = (), tag: str = "",
+          echo: bool = False) -> tuple[Path, object]:
+    """The float run of `--steps` steps (reused when `work` holds it); `shape`: Model overrides
+    after the default SHAPE, `tag`: its name in the run directory (float_{tag}{steps})."""
     from gptforge.train import pretrain
 
-    out = work / f"float_{args.steps}"
-    cfg = load_config(overrides=overrides(tok_dir, args, out, args.steps, 2e-3, 2e-4, 0.02))
+    out = work / f"float_{tag}{args.steps}"
+    cfg = load_config(overrides=[*overrides(tok_dir, args, out, args.steps, 2e-3, 2e-4, 0.02), *shape])
     if run_dir(out, args.steps) is None:
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
-        pretrain(cfg, tokenizer=tok, progress=False, echo=False)
+        pretrain(cfg, tokenizer=tok, progress=False, echo=echo)
         print(f"float: {args.steps} steps in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return run_dir(out, args.steps), cfg
 

@@ -2,17 +2,25 @@
 mixed precision at 4.5 average bits <= 50% of uniform int4 GPTQ's increase at equal or fewer bytes).
 
 On the built-in corpus, `lowbit_quality.py`'s model (its tokenizer, training recipe and
-held-out text: Eval-split documents no step trains on), in one run:
+held-out text: Eval-split documents no step trains on), or with `--shape wide` a model whose
+block Linears are most of the weights as on real GPTs (hidden 256, 6 layers, FFN 1024: the
+tied 4096 x 256 head is 18% of the planned weights; GPT-2 124M's is 31%), in one run:
   1. train (or reuse, when `--work` holds it) the float GPT for `--steps` steps;
   2. `gptforge analyze --weights int4 --group-size 64 --method gptq`: each block Linear's and the
      head's increase in KL to the float model at 4 and 8 bits on `--samples` calibration windows;
   3. `gptforge quantize` (in-process, the command's own code): uniform int4 g64 RTN and GPTQ with
-     every layer at 4 bits (head too), int4 g64 GPTQ with the default 8-bit head, and mixed GPTQ
-     plans from the analysis: `--avg-bits 4.5`, `--avg-bits 5`, and `--max-bytes` equal to the
-     default int4 GPTQ model's bytes;
+     every layer at 4 bits (head too), int4 g64 GPTQ with the default 8-bit head, int4 g32 GPTQ
+     with every layer at 4 bits (the uniform model of exactly the mixed 4.5-bit model's bytes: its
+     finer groups' scales cost the same 0.5 bit per weight), and mixed GPTQ plans from the
+     analysis: `--avg-bits 4.5`, `--avg-bits 5`, and `--max-bytes` equal to the default int4
+     GPTQ model's bytes;
   4. score every model with `gptforge eval` (WikiText method) on the same held-out text.
+Each variant's bits per planned weight are read from its weight_only.json: own (what --avg-bits
+counts) and stored (with the group scales); bytes are model.safetensors' tensors (--max-bytes).
+`--out` is rewritten after every variant, so a stopped run keeps what it measured.
 
-    .venv/bin/python benchmarks/mixed_precision.py [--work runs/bench_lowbit] [--steps 1000] [--out FILE]
+    .venv/bin/python benchmarks/mixed_precision.py [--work runs/bench_lowbit] [--steps 1000] [--shape wide]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,15 +39,22 @@ from lowbit_quality import cli, heldout_text, score, train  # noqa: E402  (bench
 from qat_quality import cpu_flags, cpu_name, tokenizer  # noqa: E402
 
 G64 = ["--weights", "int4", "--group-size", "64"]
+SHAPES = {"small": (),  # qat_quality.SHAPE: hidden 128, 4 layers, FFN 512
+          "wide": ("Model.hidden_size=256", "Model.num_layers=6", "Model.num_attention_heads=4",
+                   "Model.ffn_hidden_size=1024")}
+MIXED = "mixed GPTQ --avg-bits 4.5"
+REFS = ("uniform int4 g64 GPTQ (head int4)", "int4 g64 GPTQ, head int8 (default)", "uniform int4 g32 GPTQ (head int4)")
 
 
 def variants(default_bytes: int | None, sens: Path) -> dict[str, list[str] | None]:
     plan = [*G64, "--method", "gptq", "--sensitivity", str(sens)]
     out = {"float": None,
-           "uniform int4 g64 RTN (head int4)": [*G64, "--head-bits", "4"],
            "uniform int4 g64 GPTQ (head int4)": [*G64, "--method", "gptq", "--head-bits", "4"],
            "int4 g64 GPTQ, head int8 (default)": [*G64, "--method", "gptq"],
-           "mixed GPTQ --avg-bits 4.5": [*plan, "--avg-bits", "4.5"],
+           MIXED: [*plan, "--avg-bits", "4.5"],
+           "uniform int4 g32 GPTQ (head int4)": ["--weights", "int4", "--group-size", "32", "--method", "gptq",
+                                                 "--head-bits", "4"],
+           "uniform int4 g64 RTN (head int4)": [*G64, "--head-bits", "4"],
            "mixed GPTQ --avg-bits 5": [*plan, "--avg-bits", "5"]}
     if default_bytes is not None:
         out["mixed GPTQ --max-bytes = default's"] = [*plan, "--max-bytes", str(default_bytes)]
@@ -55,75 +70,135 @@ def tensor_bytes(path: Path) -> int:
     return f.stat().st_size - 8 - header
 
 
-def main() -> None:
+def shape_of(args) -> tuple[tuple[str, ...], str]:
+    """(Model overrides, run-directory tag) of --shape / --vocab; the small default has no tag,
+    so its old run directories are reused."""
+    shape = (*SHAPES[args.shape], *((f"Model.vocab_size={args.vocab}",) if args.vocab != 4096 else ()))
+    return shape, ("" if not shape else f"{args.shape}_v{args.vocab}_")
+
+
+def analysis_summary(path: Path, float_params: int) -> dict:
+    """Where the measured 4-bit cost lies: the head's and the block Linears' shares of the
+    weights and of the summed increase, and the layers by decreasing increase at 4 bits."""
+    state = json.loads(path.read_text())
+    params = {r["name"]: r["params"] for r in state["weights"]["rows"]}
+    inc = {n: (r["sensitivity"], r.get("sensitivity8")) for n, r in state["layers"].items()}
+    blocks = [n for n in inc if n != "wte"]
+    planned = sum(params.values())
+    return {"metric": state.get("metric"), "planned_params": planned, "float_params": float_params,
+            "head_share_of_planned": params["wte"] / planned,
+            "blocks_share_of_planned": sum(params[n] for n in blocks) / planned,
+            "blocks_share_of_all": sum(params[n] for n in blocks) / float_params,
+            "head_increase4": inc["wte"][0], "blocks_increase4": sum(inc[n][0] for n in blocks),
+            "layers": sorted(([n, params[n], *inc[n]] for n in inc), key=lambda r: -r[2])}
+
+
+def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args) -> dict:
+    """Quantize (unless float), score on the held-out text and read the bit counts of one variant."""
+    path, t0 = ckpt, time.perf_counter()
+    if flags is not None:
+        path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name))
+        cli("quantize", "--ckpt", ckpt, "--out", path, "--force", *flags, "--samples", args.samples,
+            "--seq-len", args.seq, "--no-progress")
+    secs = time.perf_counter() - t0
+    m = score(path, text, work / f"{path.name}_eval.json", args.seq)
+    spec_file, plan_file = path / "weight_only.json", path / "quant_plan.json"
+    spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
+    plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+    bits = spec.get("layer_bits") or {}
+    return {"bits_per_byte": m["bits_per_byte"], "ppl": m["ppl"], "tensor_bytes": tensor_bytes(path),
+            "file_bytes": (path / "model.safetensors").stat().st_size, "quantize_s": secs,
+            "avg_bits": spec.get("avg_bits", 32.0), "stored_bits": spec.get("stored_bits", 32.0),
+            "head_bits": bits.get("wte", spec.get("head_bits", 32)),
+            "layers_at_8": sorted(n for n, b in bits.items() if b == 8) if bits else None,
+            "predicted_kl": plan["predicted_increase"] if plan else None}
+
+
+def verdicts(rows: dict) -> dict:
+    """The acceptance line against each uniform reference: the mixed 4.5-bit model's increase
+    over the reference's, and whether it has equal or fewer tensor bytes."""
+    f = rows["float"]["bits_per_byte"]
+    out = {}
+    for ref in REFS:
+        if MIXED not in rows or ref not in rows:
+            continue
+        im, ir = rows[MIXED]["bits_per_byte"] - f, rows[ref]["bits_per_byte"] - f
+        ratio = im / ir if ir > 0 else float("nan")
+        fewer = rows[MIXED]["tensor_bytes"] <= rows[ref]["tensor_bytes"]
+        out[ref] = {"ratio": ratio, "mixed_bytes_le": fewer, "met": bool(ir > 0 and ratio <= 0.5 and fewer)}
+        print(f"{MIXED} vs {ref}: increase {im:+.4f} / {ir:+.4f} = {ratio:.2f}, bytes {rows[MIXED]['tensor_bytes']} "
+              f"{'<=' if fewer else '>'} {rows[ref]['tensor_bytes']}: {'met' if out[ref]['met'] else 'not met'}")
+    return out
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="runs/bench_lowbit")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="small: lowbit_quality.py's model "
+                    "(the head 40%% of the planned weights); wide: hidden 256, 6 layers (the head 18%%)")
+    ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary learned on the corpus (default 4096)")
     ap.add_argument("--samples", type=int, default=64, help="calibration windows (analysis and GPTQ)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out", help="write the results (JSON) here too")
-    args = ap.parse_args()
+    ap.add_argument("--log", action="store_true", help="print the training run's log lines")
+    ap.add_argument("--out", help="write the results (JSON) here too, after every variant")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load0 = os.getloadavg()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tok, tok_dir = tokenizer(work)
-    ckpt, cfg = train(work, tok, tok_dir, args)
-    text = heldout_text(work, tok, cfg)
-    calib = ["--samples", args.samples, "--seq-len", args.seq]
+    tok, tok_dir = tokenizer(work, args.vocab)
+    shape, tag = shape_of(args)
     t0 = time.perf_counter()
-    cli("analyze", "--ckpt", ckpt, *G64[2:], "--weights", "int4", "--method", "gptq", *calib,
-        "--out", work / "mixed_analysis", "--no-progress", "--show", "5")
+    ckpt, cfg = train(work, tok, tok_dir, args, shape, tag, echo=args.log)
+    train_s = time.perf_counter() - t0
+    text = heldout_text(work, tok, cfg)
+    sens = work / f"mixed_{tag}analysis"
+    t0 = time.perf_counter()
+    if not (sens / "analysis.json").is_file() or not json.loads((sens / "analysis.json").read_text()).get("complete"):
+        print(f"analysis starts, load average {os.getloadavg()[0]:.1f}", flush=True)
+    cli("analyze", "--ckpt", ckpt, "--group-size", "64", "--weights", "int4", "--method", "gptq", "--samples",
+        args.samples, "--seq-len", args.seq, "--out", sens, "--no-progress", "--show", "8")
     analysis_s = time.perf_counter() - t0
-    rows: dict[str, dict] = {}
-    default_bytes = None
-    todo = variants(None, work / "mixed_analysis" / "analysis.json")
+    rec = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "load_start": load0, "steps": args.steps, "shape": args.shape,
+           "model_overrides": list(shape), "vocab": args.vocab, "samples": args.samples, "seq": args.seq,
+           "heldout_chars": len(text.read_text()), "train_s": train_s, "analysis_s": analysis_s, "rows": {}}
+    rows = rec["rows"]
+    todo = variants(None, sens / "analysis.json")
     while todo:
         name, flags = next(iter(todo.items()))
         todo.pop(name)
-        path, t0 = ckpt, time.perf_counter()
-        if flags is not None:
-            path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name))
-            cli("quantize", "--ckpt", ckpt, "--out", path, "--force", *flags, *calib, "--no-progress")
-        secs = time.perf_counter() - t0
-        m = score(path, text, work / f"{path.name}_eval.json", args.seq)
-        size = tensor_bytes(path)
-        plan = json.loads((path / "quant_plan.json").read_text()) if (path / "quant_plan.json").is_file() else None
-        rows[name] = {"bits_per_byte": m["bits_per_byte"], "ppl": m["ppl"], "tensor_bytes": size,
-                      "file_bytes": (path / "model.safetensors").stat().st_size, "quantize_s": secs,
-                      "avg_bits": plan["avg_bits"] if plan else None,
-                      "layers_at_8": sorted(n for n, b in plan["layer_bits"].items() if b == 8) if plan else None,
-                      "predicted_kl": plan["predicted_increase"] if plan else None}
-        print(f"{name:38} bpb {m['bits_per_byte']:.4f}  ppl {m['ppl']:.3f}  {size} B"
-              + (f"  avg bits {plan['avg_bits']:.3f}, 8-bit: {', '.join(rows[name]['layers_at_8'])}" if plan else "")
-              + f"  ({secs:.0f}s)", flush=True)
+        rows[name] = r = measure(name, flags, ckpt, work, text, args)
+        print(f"{name:38} bpb {r['bits_per_byte']:.4f}  ppl {r['ppl']:.3f}  {r['tensor_bytes']} B  bits "
+              f"{r['avg_bits']:.3f} own / {r['stored_bits']:.3f} stored"
+              + (f", 8-bit: {', '.join(r['layers_at_8'])}" if r["layers_at_8"] else "")
+              + f"  ({r['quantize_s']:.0f}s, load {os.getloadavg()[0]:.1f})", flush=True)
+        if name == "float":
+            rec["analysis"] = analysis_summary(sens / "analysis.json", r["tensor_bytes"] // 4)
         if name.startswith("int4 g64 GPTQ, head int8"):
-            default_bytes = size
-            todo.update({k: v for k, v in variants(size, work / "mixed_analysis" / "analysis.json").items()
+            rec["default_int4_bytes"] = r["tensor_bytes"]
+            todo.update({k: v for k, v in variants(r["tensor_bytes"], sens / "analysis.json").items()
                          if k not in rows and k not in todo})
-    f = rows["float"]["bits_per_byte"]
-    inc = {k: r["bits_per_byte"] - f for k, r in rows.items()}
-    mixed = "mixed GPTQ --avg-bits 4.5"
-    verdicts = {}
-    for ref in ("uniform int4 g64 GPTQ (head int4)", "int4 g64 GPTQ, head int8 (default)"):
-        ratio = inc[mixed] / inc[ref] if inc[ref] > 0 else float("nan")
-        fewer = rows[mixed]["tensor_bytes"] <= rows[ref]["tensor_bytes"]
-        verdicts[ref] = {"ratio": ratio, "mixed_bytes_le": fewer,
-                         "met": bool(inc[ref] > 0 and ratio <= 0.5 and fewer)}
-        print(f"{mixed} vs {ref}: increase {inc[mixed]:+.4f} / {inc[ref]:+.4f} = {ratio:.2f}, bytes "
-              f"{rows[mixed]['tensor_bytes']} {'<=' if fewer else '>'} {rows[ref]['tensor_bytes']}: "
-              f"{'met' if verdicts[ref]['met'] else 'not met'}")
-    load1 = os.getloadavg()
+        rec["increase"] = {k: v["bits_per_byte"] - rows["float"]["bits_per_byte"] for k, v in rows.items()}
+        rec["load_end"] = os.getloadavg()
+        if args.out:
+            Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
+    rec["verdicts"] = verdicts(rows)
+    a = rec["analysis"]
+    print(f"block Linears {100 * a['blocks_share_of_all']:.1f}% of the weights ({100 * a['blocks_share_of_planned']:.1f}% "
+          f"of the planned ones); summed 4-bit increase: head {a['head_increase4']:.4g}, blocks {a['blocks_increase4']:.4g}")
     print(f"cpu {cpu_name()} ({cpu_flags()}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; analysis {analysis_s:.0f}s")
-    rec = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "load_start": load0, "load_end": load1, "steps": args.steps,
-           "samples": args.samples, "seq": args.seq, "heldout_chars": len(text.read_text()), "analysis_s": analysis_s,
-           "rows": rows, "increase": inc, "verdicts": verdicts, "default_int4_bytes": default_bytes}
+          f"load average {load0[0]:.1f} at start, {rec['load_end'][0]:.1f} at end; train {train_s:.0f}s, "
+          f"analysis {analysis_s:.0f}s")
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
 

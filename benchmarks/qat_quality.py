@@ -66,14 +66,14 @@ def cpu_flags() -> str:
     return "unknown"
 
 
-def tokenizer(work: Path):
+def tokenizer(work: Path, vocab_size: int = 4096):
     from gptforge.data.corpus import builtin_documents
     from gptforge.data.tokenizer import load_tokenizer, train_tokenizer
 
-    tok_dir = work / "tokenizer"
+    tok_dir = work / ("tokenizer" if vocab_size == 4096 else f"tokenizer_{vocab_size}")
     if not (tok_dir / "tokenizer.json").is_file():
         t0 = time.perf_counter()
-        train_tokenizer(builtin_documents(), vocab_size=4096, show_progress=False).save(tok_dir)
+        train_tokenizer(builtin_documents(), vocab_size=vocab_size, show_progress=False).save(tok_dir)
         print(f"tokenizer: learned in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return load_tokenizer(str(tok_dir)), tok_dir
 

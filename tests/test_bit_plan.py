@@ -86,6 +86,20 @@ def test_plan_is_optimal_and_within_the_budget(seed):
     assert plan.total_bytes == fixed + sum(r["bytes"][str(r["bits"])] for r in plan.rows)
     assert plan.increase == pytest.approx(min(inc for size, _, inc in options if size <= N), abs=1e-12)
     assert plan.uniform4_increase == pytest.approx(sum(r["increase"]["4"] for r in rows))
+    # group 32 with 4-byte scales: one stored bit per weight more than its own bits, at 4 and at 8
+    assert plan.stored_bits == pytest.approx(plan.avg_bits + 1, abs=1e-12)
+
+
+def test_stored_bits_exclude_biases_and_count_scales():
+    # 64 x 32 at 4 bits in groups of 32 (one fp32 scale per row and group) with a 64-float bias
+    row = {"name": "l", "params": 2048, "bias_bytes": 256, "bytes": {"4": 1024 + 256 + 256, "8": 2048 + 256 + 256},
+           "float_bytes": 4 * 2048 + 256, "increase": {"4": 1.0, "8": 0.0}}
+    plan = make_plan([row], 0, avg_bits=4)
+    assert (plan.avg_bits, plan.stored_bits, plan.total_bytes) == (4, 5, 1536)
+    plan = make_plan([row], 0, avg_bits=8)
+    assert (plan.avg_bits, plan.stored_bits, plan.total_bytes) == (8, 9, 2560)
+    assert bit_plan.plan_json(plan)["stored_bits"] == 9
+    assert "8.000 bits per planned weight (9.000 as stored" in bit_plan.plan_markdown(plan)
 
 
 def test_infeasible_budgets_name_the_minimum():

@@ -122,10 +122,17 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
     bits = plan["layer_bits"]
     assert set(bits.values()) == {4, 8} and plan["avg_bits"] <= 4.6
     assert read_spec(out).layer_bits == bits
+    # the file's head_bits agrees with the plan's head, and both bit counts are on record
+    saved = json.loads((out / "weight_only.json").read_text())
+    assert saved["head_bits"] == bits["wte"] == read_spec(out).bits_for("wte")
+    assert saved["avg_bits"] == pytest.approx(plan["avg_bits"]) and saved["stored_bits"] == pytest.approx(
+        plan["stored_bits"])
+    assert f"{plan['avg_bits']:.3f} bits per planned weight ({plan['stored_bits']:.3f} stored with scales)" in stdout
     q, _ = load_model(out)
     for name, mod in planned_layers(q):
         assert mod.bits == bits[name], name
     assert plan["total_bytes"] == sum(t.numel() * t.element_size() for t in q.state_dict().values())
+    _check_bits(q, bits, plan)
     # the plan applied in memory: quantize_rtn_model with the same per-layer bits
     mem, _ = load_model(src)
     quantize_rtn_model(mem, WeightOnlySpec(bits=4, group_size=32, layer_bits=bits))
@@ -146,6 +153,36 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
     assert code == 0 and stdout.startswith("the quick"), err
     code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table shows both widths
     assert code == 0 and "int4 sym group 32" in stdout and "int8 sym group 32" in stdout, err
+
+
+def _check_bits(q, bits, plan):
+    """The plan's two bit counts, recounted here from the loaded model's tensors."""
+    n = own = stored = 0
+    for name, mod in planned_layers(q):
+        k = mod.in_features * mod.out_features
+        n, own = n + k, own + bits[name] * k
+        # packed weight + fp32 scales (groups of 32), no zeros (symmetric); biases are not weights
+        assert set(mod.state_dict()) - {"bias"} == {"weight", "weight_scale"}, name
+        stored += 8 * (mod.weight.numel() * mod.weight.element_size() + 4 * mod.weight_scale.numel())
+    assert plan["avg_bits"] == pytest.approx(own / n) and plan["stored_bits"] == pytest.approx(stored / n)
+    assert plan["stored_bits"] == pytest.approx(plan["avg_bits"] + 1)  # a 32-bit scale per 32 weights
+
+
+def test_uniform_run_reports_both_bit_counts(float_dir, run_cli, tmp_path):
+    from gptforge.model_io import load_model
+
+    src, _ = float_dir
+    out = tmp_path / "u"
+    code, stdout, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", "int4", "--group-size", "32")
+    assert code == 0, err
+    saved = json.loads((out / "weight_only.json").read_text())
+    m, _ = load_model(src)
+    sizes = {n: mod.weight.numel() for n, mod in planned_layers(m)}
+    head = sizes["wte"] / sum(sizes.values())
+    # the default head at 8 bits: 4 + 4 x (the head's share) own bits, one more with the scales
+    assert saved["head_bits"] == 8 and saved["avg_bits"] == pytest.approx(4 + 4 * head)
+    assert saved["stored_bits"] == pytest.approx(5 + 4 * head)
+    assert f"{saved['avg_bits']:.3f} bits per planned weight ({saved['stored_bits']:.3f} stored" in stdout
 
 
 def test_max_bytes_measured_on_the_fly_fits(float_dir, run_cli, tmp_path):

@@ -184,12 +184,13 @@ def _weights(args, cfg) -> int:
     if r.plan is not None:
         p = r.plan
         n8 = sum(b == 8 for b in p.layer_bits.values())
-        head = f"mixed 4/8 bits ({p.budget}: {n8} of {len(p.rows)} layers at 8 bits, {p.avg_bits:.3f} bits per " \
-               f"weight, head {p.layer_bits['wte']} bits; plan in quant_plan.md)"
+        head = f"mixed 4/8 bits ({p.budget}: {n8} of {len(p.rows)} layers at 8 bits, " \
+               f"head {p.layer_bits['wte']} bits; plan in quant_plan.md)"
     else:
         head = f"head {spec.head_bits} bits"
-    print(f"gptforge quantize: weights {fmt} ({spec.method}), {head}: "
-          f"{r.quantized_bytes / 2**20:.2f} MiB (float {r.float_bytes / 2**20:.2f} MiB)"
+    print(f"gptforge quantize: weights {fmt} ({spec.method}), {head}: {r.avg_bits:.3f} bits per planned weight "
+          f"({r.stored_bits:.3f} stored with scales), {r.quantized_bytes / 2**20:.2f} MiB (float "
+          f"{r.float_bytes / 2**20:.2f} MiB)"
           f"{'; calibration ' + r.calibration if spec.method != 'rtn' else ''} -> {r.out_dir}")
     return 0
 

@@ -13,7 +13,10 @@ buckets (the plan still fits, and says it is not proven optimal).
 Budgets: `--avg-bits B` counts the weights' own bits (4 or 8 per weight, scales and zeros
 excluded) over the planned layers: sum(bits_i * params_i) <= B * sum(params_i). `--max-bytes N`
 counts the bytes of every tensor of the quantized model (scales, zeros, biases, position
-embeddings and norms included): what model.safetensors holds less its header.
+embeddings and norms included): what model.safetensors holds less its header. Every plan (and
+`planned_bits` for any model) reports both per planned weight: the own bits and the stored bits
+(the planned layers' bytes without biases, x 8), so that "4.5 bits" is never read as a size:
+int4 g64 with fp32 scales is 4 own bits and 4.5 stored.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 from torch import nn
 
 from gptforge.errors import UsageError
-from gptforge.transforms.weight_only import WeightOnlySpec, planned_layers, stored_bytes
+from gptforge.transforms.weight_only import WeightOnlyLinear, WeightOnlySpec, planned_layers, stored_bytes
 
 MAX_CELLS = 50_000_000  # DP table cells (bools) before costs are bucketed
 PLAN_JSON, PLAN_MD = "quant_plan.json", "quant_plan.md"
@@ -100,7 +103,7 @@ def layer_rows(model: nn.Module, spec: WeightOnlySpec, increases: dict[str, tupl
                              "on this model again")
         i, o, bias, head = _shape(model, name, mod)
         inc4, inc8 = increases[name]
-        rows.append({"name": name, "params": i * o,
+        rows.append({"name": name, "params": i * o, "bias_bytes": 4 * o if bias else 0,
                      "bytes": {str(b): stored_bytes(i, o, b, spec, bias=bias, head=head) for b in (4, 8)},
                      "float_bytes": stored_bytes(i, o, 32, spec, bias=bias),
                      "increase": {"4": inc4, "8": inc8}})
@@ -175,6 +178,7 @@ class Plan:
     exact: bool
     notes: list[str]
     source: str = ""  # where the increases came from
+    stored_bits: float = 0.0  # the planned layers' bytes less biases, x 8, per planned weight (scales included)
 
     @property
     def layer_bits(self) -> dict[str, int]:
@@ -220,15 +224,34 @@ def make_plan(rows: list[dict], fixed: int, *, avg_bits: float | None = None, ma
     if not exact:
         notes.append("costs bucketed to keep the DP table small: the plan fits but is not proven optimal")
     out = [dict(r, bits=8 if c else 4) for r, c in zip(rows, chosen, strict=True)]
-    total = fixed + sum(r["bytes"][str(r["bits"])] for r in out)
+    layer = [r["bytes"][str(r["bits"])] for r in out]
     inc = sum(r["increase"]["4"] if r["bits"] == 4 else i8 for r, i8 in zip(out, inc8, strict=True))
-    return Plan(out, budget, total, fixed, sum(r["bits"] * r["params"] for r in out) / params, inc,
-                sum(r["increase"]["4"] for r in rows), exact, notes)
+    stored = 8 * sum(b - r.get("bias_bytes", 0) for r, b in zip(out, layer, strict=True)) / params
+    return Plan(out, budget, fixed + sum(layer), fixed, sum(r["bits"] * r["params"] for r in out) / params, inc,
+                sum(r["increase"]["4"] for r in rows), exact, notes, stored_bits=stored)
+
+
+def planned_bits(model: nn.Module) -> tuple[float, float]:
+    """(own, stored) bits per planned weight (every block Linear and the tied embedding / head) of
+    a float or weight-only model: own = each weight's width (4, 8, 16, 32; what `--avg-bits`
+    budgets), stored = the layers' bytes without biases (weights, group scales, zeros, AWQ input
+    scales) x 8 / weights: what each planned weight costs in the file `--max-bytes` counts."""
+    own = stored = params = 0
+    for _, mod in planned_layers(model):
+        if isinstance(mod, WeightOnlyLinear):
+            n, bits = mod.in_features * mod.out_features, mod.bits
+        else:
+            n, bits = mod.weight.numel(), 8 * mod.weight.element_size()
+        own += bits * n
+        stored += 8 * sum(t.numel() * t.element_size() for k, t in mod.state_dict().items() if k != "bias")
+        params += n
+    return own / params, stored / params
 
 
 def plan_json(plan: Plan, extra: dict | None = None) -> dict:
     return {"format": PLAN_FORMAT, "budget": plan.budget, "total_bytes": plan.total_bytes,
-            "fixed_bytes": plan.fixed_bytes, "avg_bits": plan.avg_bits, "predicted_increase": plan.increase,
+            "fixed_bytes": plan.fixed_bytes, "avg_bits": plan.avg_bits, "stored_bits": plan.stored_bits,
+            "predicted_increase": plan.increase,
             "uniform4_increase": plan.uniform4_increase, "exact": plan.exact, "notes": plan.notes,
             "layer_bits": plan.layer_bits, "layers": plan.rows, **(extra or {})}
 
@@ -238,7 +261,8 @@ def plan_markdown(plan: Plan, metric: str = "") -> str:
     n8 = sum(r["bits"] == 8 for r in plan.rows)
     lines = [f"# Mixed-precision plan ({plan.budget})", "",
              f"{n8} of {len(plan.rows)} layers at 8 bits, the rest at 4; {plan.avg_bits:.3f} bits per planned "
-             f"weight; {plan.total_bytes} bytes of tensors ({plan.fixed_bytes} outside the planned layers).",
+             f"weight ({plan.stored_bits:.3f} as stored, with the group scales and zeros); {plan.total_bytes} bytes "
+             f"of tensors ({plan.fixed_bytes} outside the planned layers).",
              f"Summed measured increase{' (' + metric + ')' if metric else ''}: {plan.increase:.6g} "
              f"(every layer at 4 bits: {plan.uniform4_increase:.6g}).",
              *(f"Note: {n}." for n in plan.notes), "",

@@ -28,6 +28,8 @@ class WeightOnlyResult:
     quantized_bytes: int
     calibration: str
     plan: object = None  # bit_plan.Plan of a mixed-precision run
+    avg_bits: float = 0.0  # own bits per planned weight (bit_plan.planned_bits)
+    stored_bits: float = 0.0  # stored bits per planned weight, group scales and zeros included
 
 
 def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int) -> list[torch.Tensor]:
@@ -152,7 +154,8 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     if budget is not None:
         plan = _plan(model, cfg, tokenizer, path, spec, budget, calib=calib, samples=samples, seq_len=seq_len,
                      damp=damp, act_order=act_order, progress=progress)
-        spec = dataclasses.replace(spec, layer_bits=plan.layer_bits)
+        # head_bits follows the plan too: weight_only.json must not say 8 where the head is at 4
+        spec = dataclasses.replace(spec, layer_bits=plan.layer_bits, head_bits=plan.layer_bits["wte"])
     calibration = "none"
     if spec.method in ("gptq", "awq"):
         seq = min(seq_len, cfg.Model.max_position_embeddings)
@@ -168,15 +171,16 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
             awq_model(model, spec, batches, progress=progress)
     else:
         quantize_rtn_model(model, spec)
+    from gptforge.compress import bit_plan
+
+    own, stored = bit_plan.planned_bits(model)
     with atomic_dir(out_dir, overwrite) as tmp:
         write_model_files(model, cfg, tmp, tokenizer)
         spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path),
-                        "qat": trained is not None})
+                        "qat": trained is not None, "avg_bits": own, "stored_bits": stored})
         if plan is not None:
-            from gptforge.compress import bit_plan
-
             bit_plan.write_plan(plan, tmp, budget.metric, {"source": str(path), "sensitivity": plan.source})
-    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration, plan)
+    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration, plan, own, stored)
 
 
 def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **calib):
