@@ -173,3 +173,15 @@ def test_generate_is_unchanged(built, monkeypatch, base, strategy):
     got = generate_ids(model, prompts, cfg, batch_size=1)
     assert len(calls) == int((got.lengths - 1).sum())  # every step but the prompts' (one sequence at a time)
     assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.scores, ref.scores)
+
+
+def test_the_switch_is_read_every_step(built, monkeypatch, base):
+    with TorchBackend(base) as be:
+        slots = RaggedSlots(be)
+        slot = slots.new_slot(len(PROMPT) + 4)
+        logits = slots.step([Segment(slot, PROMPT, 0, True)])
+        for i, env in enumerate(["auto", "off", "auto"]):
+            monkeypatch.setenv(fused_step.FUSED_ENV, env)
+            before = be.fused_steps
+            logits = slots.step([Segment(slot, [int(logits[0].argmax())], len(PROMPT) + i, True)])
+            assert be.fused_steps - before == (env == "auto")
