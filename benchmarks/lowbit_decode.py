@@ -23,6 +23,10 @@ decode time after the prompt. The engines, all at the same thread count:
   (q4_0 keeps the tied head at q8_0); its default f16 KV cache; `eval` of one token per step
   and an argmax over its logits, as ours.
 
+`--compare-fused`: every gptforge engine runs twice per round, with the fused one-sequence decode
+step (`generate/fused_step.py`, the default) and with `GPTFORGE_FUSED_DECODE=off` (the Python
+step), interleaved in the same rounds; the report adds their ratios.
+
 llama.cpp's f16 figure stands alone. Rounds interleave every engine (load from other processes
 hits all alike); reported: median of the per-round medians, and the spread (min-max of the round
 medians), with the load average before and after and the CPU name. The int4 weight-streaming
@@ -142,12 +146,36 @@ def engine_times(model, ids: list[int], new_tokens: int) -> list[float]:
     return steps
 
 
+UNFUSED = "(python step)"  # the suffix of --compare-fused's twins: GPTFORGE_FUSED_DECODE=off
+
+
+@contextlib.contextmanager
+def fused_env(off: bool):
+    """GPTFORGE_FUSED_DECODE=off for one engine's turn (else unset: the fused step where it applies)."""
+    old = os.environ.pop("GPTFORGE_FUSED_DECODE", None)
+    if off:
+        os.environ["GPTFORGE_FUSED_DECODE"] = "off"
+    try:
+        yield
+    finally:
+        os.environ.pop("GPTFORGE_FUSED_DECODE", None)
+        if old is not None:
+            os.environ["GPTFORGE_FUSED_DECODE"] = old
+
+
 def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[float]:
     """One engine's per-token decode seconds for `n` greedy tokens."""
     if not name.startswith("gptforge"):
         return llama_times(eng, ids, n)[1]
-    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(name.split()[-1])):
+    off = name.endswith(UNFUSED)
+    kern = name.removesuffix(UNFUSED).split()[-1]
+    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(kern)), fused_env(off):
         return engine_times(eng, ids, n) if loop == "engine" else decode_times(eng, prompt, n, True)[1]
+
+
+def _with_twin(name: str) -> tuple[str, ...]:
+    """`name` and, where the fused step can apply (not the real INT8 model, not llama.cpp), its Python-step twin."""
+    return (name, f"{name} {UNFUSED}") if name.startswith("gptforge") and name != "gptforge int8" else (name,)
 
 
 def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:
@@ -175,6 +203,8 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
         llm = llama_cpp.Llama(str(path), n_ctx=args.prompt + args.new_tokens + 8, n_batch=args.prompt,
                               n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
         engines[f"llama.cpp {t}"] = (llm, r.bytes)
+    if args.compare_fused:  # each engine the fused step applies to again with the Python step, same rounds
+        engines = {k2: v for k, v in engines.items() for k2 in _with_twin(k)}
     ids = prompt[0].tolist()
     for name, (eng, _) in engines.items():  # warm-up: first-call packing, page faults of the mapped file
         _turn(name, eng, prompt, ids, 2, args.loop)
@@ -205,6 +235,7 @@ def report(preset: str, rows, args) -> None:
              ("gptforge wo-int8 native", "gptforge wo-int8 before"), ("gptforge wo-int4 native", "gptforge wo-int4 before"),
              ("gptforge wo-int4 native", "gptforge int8"), ("gptforge wo-int8 native-q8a", "llama.cpp q8_0"),
              ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"))
+    pairs += tuple((name, f"{name} {UNFUSED}") for name in tps if f"{name} {UNFUSED}" in tps)
     print()
     for ours, theirs in pairs:
         if ours in tps and theirs in tps:
@@ -230,6 +261,9 @@ def main() -> int:
     ap.add_argument("--cpu-time", action="store_true",
                     help="with --threads 1: time each token by the calling thread's CPU time (both engines compute "
                     "in it), not wall time, which on a shared machine counts the time other processes hold the core")
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="time every gptforge engine also with GPTFORGE_FUSED_DECODE=off (the Python step), "
+                    "interleaved in the same rounds")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
     ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
                     choices=["native", "native-q8a", "before"],

@@ -28,6 +28,7 @@ from gptforge.adapters.layers import LoraPair
 from gptforge.adapters.multi import router_of
 from gptforge.config.sampling import kv_cache_dtype_name
 from gptforge.errors import ConfigError
+from gptforge.generate import fused_step
 from gptforge.model.kv_cache import KV_DTYPES
 from gptforge.transforms import fp32_gemv, native_kernels
 
@@ -222,6 +223,10 @@ class TorchBackend:
         self._packed_rows = 0  # 0: not packed (yet)
         self._slot_layout: tuple | None = None
         self._router = None  # the served adapters' router (adapters.multi), found at the first routed step
+        self._linear_ops: dict[nn.Module, tuple] = {}  # patched Linear -> (packed copy, one-row GEMV or None)
+        self._fused: fused_step.FusedDecode | None = None  # batch-1 decode in one call (`fused_step`)
+        self._fused_key: tuple | None = None  # the forcing variables `_fused` was built under
+        self.fused_steps = 0  # steps that took the fused path (tests, benchmarks)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -254,6 +259,7 @@ class TorchBackend:
                     packed = packed_weight(mod, mod.weight, rows)
                     g = _gemv(mod, mod.weight, packed, mod.bias, path)
                     mod.forward = lambda x, _m=mod, _p=packed, _g=g: _packed_forward(_m, _p, x, _g)
+                    self._linear_ops[mod] = (packed, g)
                     self._patched.append(mod)
                 elif isinstance(mod, LoraPair) and "low_rank" not in mod.__dict__ and mod.lora_A.dtype == torch.float32:
                     a = packed_weight(mod, mod.lora_A, rows, "lora_A")
@@ -271,6 +277,8 @@ class TorchBackend:
             mod.__dict__.pop("forward", None)
             mod.__dict__.pop("low_rank", None)
         self._patched.clear()
+        self._linear_ops.clear()
+        self._fused, self._fused_key = None, None
         self._head = None
         self._head_gemv = None
 
@@ -328,10 +336,26 @@ class TorchBackend:
         """One forward over a `RaggedBatch` (each sequence's new tokens, packed into one row);
         returns the logits [R, V] of the rows `batch` asks for, in its order."""
         self._ensure_packed()
-        with self._routed(getattr(batch, "adapter_rows", None)):
-            h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
+        fused = self._fused_decode(batch)
+        if fused is not None:
+            h = fused(batch)[0]
+            self.fused_steps += 1
+        else:
+            with self._routed(getattr(batch, "adapter_rows", None)):
+                h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
         batch.commit()
         return self.project(h.index_select(0, batch.logits_index))
+
+    def _fused_decode(self, batch) -> fused_step.FusedDecode | None:
+        """The fused one-sequence step where it applies to `batch` and the model (built at the first
+        such step of an open backend, and again when a forcing variable changes), else None."""
+        if not self._open or not fused_step.applies(batch, self.model):
+            return None
+        key = fused_step.env_key()
+        if key != self._fused_key:
+            self._fused = fused_step.build(self.model, self._linear_ops) if fused_step.enabled() else None
+            self._fused_key = key
+        return self._fused
 
     def _routed(self, rows):
         """Route the rows of served adapters (`rows`: name -> rows of the packed row) for one pass."""

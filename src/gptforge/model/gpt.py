@@ -186,6 +186,10 @@ class GPT(nn.Module):
         mask |= torch.eye(T, Tk, dtype=torch.bool, device=device).roll(start, dims=1)[None]
         return mask[:, None], False
 
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings (dropout while training): the first block's input [B, T, hidden]."""
+        return self.drop(self.wte(input_ids) + self.wpe(position_ids))
+
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Final-LayerNorm hidden states [B, T, hidden] (no vocabulary projection)."""
@@ -193,7 +197,7 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).unsqueeze(0)
-        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        x = self.embed(input_ids, position_ids)
         mask, is_causal = self.attention_mask(T, start, attention_mask, input_ids.device)
         for blk in self.blocks:
             x = blk(x, mask, is_causal, cache)

@@ -33,7 +33,7 @@ ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
-SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp")
+SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp")
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "kernels.h"
 
 namespace {
 
@@ -240,6 +241,11 @@ Slot slot_of(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Ten
   return s;
 }
 
+}  // namespace
+
+// The entry point (kernels.h: the fused decode step calls it directly).
+namespace gptforge_wo {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                             const std::vector<at::Tensor>& k_scales, const std::vector<at::Tensor>& v_scales,
@@ -276,10 +282,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace gptforge_wo
 
 TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor[] keys, Tensor[] values, Tensor[] k_scales, "
         "Tensor[] v_scales, int[] starts, float scale, int isa) -> Tensor",
-        &decode_attention);
+        &gptforge_wo::decode_attention);
 }

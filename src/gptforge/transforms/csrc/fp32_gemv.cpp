@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "cpu_isa.h"
+#include "kernels.h"
 
 namespace {
 
@@ -79,6 +80,11 @@ __attribute__((target("avx512f,avx2,fma"))) void block_avx512(const float* w, co
   for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + 16 * v, tot[v]);
 }
 
+}  // namespace
+
+// The entry point (kernels.h: the fused decode step calls it directly).
+namespace gptforge_wo {
+
 // x: fp32 with K elements (any shape whose last dim is K and one row); wb: [ceil(N/64), K, 64].
 at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N,
                      int64_t isa) {
@@ -114,8 +120,8 @@ at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optio
   return out;
 }
 
-}  // namespace
+}  // namespace gptforge_wo
 
 TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
-  m.def("fp32_gemv(Tensor wb, Tensor x, Tensor? bias, int N, int isa) -> Tensor", &fp32_gemv);
+  m.def("fp32_gemv(Tensor wb, Tensor x, Tensor? bias, int N, int isa) -> Tensor", &gptforge_wo::fp32_gemv);
 }

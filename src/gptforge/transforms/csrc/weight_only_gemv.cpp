@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa.h"
+#include "kernels.h"
 #include "weight_operands.h"
 
 #include <algorithm>
@@ -215,9 +216,14 @@ at::Tensor group_sums(const at::Tensor& x, int64_t G) {
 
 int64_t cpu_isa() { return cpu_has(kAvx512) ? kAvx512 : cpu_has(kAvx2) ? kAvx2 : kScalar; }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
-                  int64_t isa) {
+}  // namespace
+
+// The entry point (kernels.h: the fused decode step calls it directly).
+namespace gptforge_wo {
+
+at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
+                     int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
   TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
@@ -245,11 +251,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
   return y;
 }
 
-}  // namespace
+}  // namespace gptforge_wo
 
 TORCH_LIBRARY(gptforge_wo, m) {
   m.def("linear(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
-        &linear);
+        &gptforge_wo::wo_linear);
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("max_rows() -> int", []() -> int64_t { return kMaxRows; });
 }

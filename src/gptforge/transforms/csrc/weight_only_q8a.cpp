@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "cpu_isa.h"
+#include "kernels.h"
 #include "weight_operands.h"
 
 namespace {
@@ -193,10 +194,15 @@ RowsFn pick(int64_t isa, int bits, int64_t M) {
   return gptforge_wo::for_rows(M, [&](auto m) { return pick_m<decltype(m)::value>(isa, bits); });
 }
 
+}  // namespace
+
+// The entry point (kernels.h: the fused decode step calls it directly).
+namespace gptforge_wo {
+
 // The AVX-512 path of this variant is the AVX2 one (AVX-512 CPUs run it).
-at::Tensor linear_q8a(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
-                      int64_t isa) {
+at::Tensor wo_linear_q8a(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
+                         int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
   TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
@@ -226,6 +232,10 @@ at::Tensor linear_q8a(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return y;
 }
 
+}  // namespace gptforge_wo
+
+namespace {
+
 // The rounded activations as the kernel sees them (column order): (xq int8 [M, K], d [M, K/32]).
 std::tuple<at::Tensor, at::Tensor> quantize_q8a(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
@@ -243,6 +253,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8a(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
   m.def("linear_q8a(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
-        &linear_q8a);
+        &gptforge_wo::wo_linear_q8a);
   m.def("quantize_q8a(Tensor x) -> (Tensor, Tensor)", &quantize_q8a);
 }
