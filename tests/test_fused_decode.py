@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from gf_testutil import ISA_ORDER, skip_unless_runs, tiny_model
+from gf_testutil import ISA_ORDER, packed_rows_invariant, skip_unless_runs, tiny_model
 from gptforge.adapters.inject import apply_lora
 from gptforge.config.schema import LoraConfig
 from gptforge.errors import UsageError
@@ -111,8 +111,8 @@ def test_fused_equals_the_python_step(built, monkeypatch, base, kind, kernel):
     got = _same_as_python(model, monkeypatch)
     beside, n = _decode(model, partner=True)
     assert n == 0
-    if kind == "fp32":  # the batch-invariant case (docs/serve.md): served beside another sequence, the same bits
-        for a, b in zip(got, beside, strict=True):
+    if kind == "fp32" and packed_rows_invariant(model):  # the batch-invariant case (docs/serve.md): served
+        for a, b in zip(got, beside, strict=True):         # beside another sequence, the same bits
             assert torch.equal(a, b)
 
 
