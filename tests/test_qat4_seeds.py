@@ -32,7 +32,8 @@ def test_recovery_is_the_share_of_the_ptq_loss_qat_avoids(q4):
 
 
 def _seeds(*recs):
-    return {s: {"recovery_vs_control": r} for s, r in enumerate(recs)}
+    return {s: {"recovery_vs_control": r, "control_inc": -0.02, "control_rtn_inc": -0.016,
+                "qat_inc": -0.02 + 0.004 * (1 - r) if r == r else -0.02} for s, r in enumerate(recs)}
 
 
 def test_median_minimum_and_verdict_over_seeds(q4):
@@ -47,6 +48,16 @@ def test_median_minimum_and_verdict_over_seeds(q4):
     agg = q4.aggregate(_seeds(0.95, float("nan"), 0.97))
     assert (agg["median"], agg["min"], agg["verdict"]) == (0.96, 0.95, "median met (min 95%)")
     assert q4.aggregate(_seeds(float("nan")))["verdict"] == "not assessable"
+
+
+def test_pooled_recovery_is_that_of_the_mean_losses(q4):
+    # the 2026-11-26 lr 6e-4 head-8 seeds: RTN(control) - control and QAT - control per seed
+    per = {s: {"recovery_vs_control": q4.recovery(rtn, qat), "control_inc": -0.02, "control_rtn_inc": -0.02 + rtn,
+               "qat_inc": -0.02 + qat} for s, (rtn, qat) in enumerate([(0.0038, -0.0013), (0.0029, 0.0020),
+                                                                        (0.0042, 0.0011)])}
+    agg = q4.aggregate(per)
+    assert agg["pooled"] == pytest.approx((0.0109 - 0.0018) / 0.0109)  # 83%, while the median is 73%
+    assert agg["median"] == pytest.approx(0.0031 / 0.0042) and agg["min"] == pytest.approx(0.0009 / 0.0029)
 
 
 @pytest.mark.slow
