@@ -60,6 +60,10 @@ def test_pooled_recovery_is_that_of_the_mean_losses(q4):
     assert agg["median"] == pytest.approx(0.0031 / 0.0042) and agg["min"] == pytest.approx(0.0009 / 0.0029)
 
 
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_quick_run_with_two_seeds(q4, tmp_path, monkeypatch, capsys):
@@ -69,7 +73,8 @@ def test_quick_run_with_two_seeds(q4, tmp_path, monkeypatch, capsys):
     rec = json.loads(out.read_text())
     assert set(rec["per_seed"]) == {"1", "2"} and set(rec["summary"]) == {"4"}
     per = {s: rec["per_seed"][s]["4"] for s in ("1", "2")}
-    assert rec["summary"]["4"]["per_seed"] == {s: per[s]["recovery_vs_control"] for s in per}
+    for s in per:  # (nan where 2 steps leave RTN costing nothing: then both are nan)
+        assert _same(rec["summary"]["4"]["per_seed"][s], per[s]["recovery_vs_control"])
     # the seed orders the fine-tuning batches: the two controls (same start, steps and lr) differ
     ctrl = [rec["rows"][f"seed {s}: float fine-tuned 2 steps (control)"]["bits_per_byte"] for s in (1, 2)]
     assert ctrl[0] != ctrl[1]
@@ -79,5 +84,5 @@ def test_quick_run_with_two_seeds(q4, tmp_path, monkeypatch, capsys):
     # a second run reuses every trained and scored model (same numbers, nothing retrained)
     q4.main(["--quick", "--work", str(tmp_path / "work"), "--seeds", "2", "--out", str(out)])
     again = json.loads(out.read_text())
-    assert again["per_seed"]["2"]["4"]["recovery_vs_control"] == per["2"]["recovery_vs_control"]
+    assert _same(again["per_seed"]["2"]["4"]["recovery_vs_control"], per["2"]["recovery_vs_control"])
     assert "steps in" not in capsys.readouterr().err
