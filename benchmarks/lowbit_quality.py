@@ -50,16 +50,18 @@ def cli(*argv) -> None:
         raise SystemExit(f"gptforge {' '.join(map(str, argv[:3]))} ... exited {code}")
 
 
-def heldout_text(work: Path, tok, cfg) -> Path:
+def heldout_text(work: Path, tok, cfg, chars: int = 40_000) -> Path:
+    """Whole Eval-split documents until at least `chars` characters (a smaller text gets its own
+    file, so that a quick check never shortens the benchmark's)."""
     from gptforge.data.corpus import builtin_token_files
     from gptforge.demo.heldout import eval_documents
 
-    path = work / "heldout.txt"
+    path = work / ("heldout.txt" if chars == 40_000 else f"heldout_{chars}.txt")
     if not path.is_file():
         docs = eval_documents(builtin_token_files(tok), tok, cfg.Data.Eval.dataset.split)
         text, n = "", 0
         for d in docs:
-            if len(text) >= 40_000:
+            if len(text) >= chars:
                 break
             text, n = text + d + "\n\n", n + 1
         path.write_text(text, encoding="utf-8")
