@@ -75,6 +75,27 @@ def prefill_chunks(length: int, start: int = 0) -> list[tuple[int, int]]:
 PACKED_LAYOUT_ROWS = 8
 
 
+def packed_rows_invariant(n: int, k: int, rows=(1, 2, 5), seed: int = 0) -> dict[int, float]:
+    """{row count: max |difference|} where oneDNN's packed fp32 Linear ([n, k] weight, this module's
+    layout) gives the first rows of a batch of that many rows other bits than computed in pairs: what
+    batch invariance (served = generate bit for bit) rests on. Empty on the AVX2 machines measured; not
+    on a Xeon with AMX under torch 2.11 (benchmarks/results/2026-11-26-avx512-check.md)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g) * 0.05, PACKED_LAYOUT_ROWS)
+    xs = torch.randn(max(rows) + 8, k, generator=g)
+
+    def run(x):
+        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    ref = torch.stack([run(xs[i:i + 1].repeat(2, 1))[0] for i in range(8)])
+    bad = {}
+    for m in rows:
+        ys = run(xs[:m])[:8] if m >= 8 else torch.cat([run(xs[i:i + m])[:1] for i in range(8)])
+        if not torch.equal(ys, ref):
+            bad[m] = float((ys - ref).abs().max())
+    return bad
+
+
 def _packed_linear_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     try:
