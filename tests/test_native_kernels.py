@@ -70,18 +70,34 @@ def test_many_rows_on_two_threads(built, path, bits, group, q8a, rows):
     q, s, z = lowbit.quantize_rtn(w, bits, group, True)
     x = torch.randn(rows, k)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    ys = []
     try:
-        y = native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, None, None, bits, path,
-                                              q8_activations=q8a)
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            ys.append(native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, None, None,
+                                                        bits, path, q8_activations=q8a))
     finally:
         torch.set_num_threads(before)
+    y = ys[0]
+    assert torch.equal(ys[0], ys[1])  # one output is always one task's: the split changes no bit
     if not q8a:
         _tolerance_check(y, x, lowbit.dequantize(q, s, z, group), None)
         return
     xq, d, ref = _q8a_reference(x, q, s, None, group, bits)
     size = (xq.abs().double() * d.repeat_interleave(32, 1)) @ (q.abs().double() + 8).T * s.abs().max()
     assert bool(((y.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6 * size + 1e-7).all())
+
+
+def test_the_kernels_run_on_torchs_threads(built):
+    """The library shares torch's thread pool: built without OpenMP, at::parallel_for would run
+    every kernel on one thread whatever torch.set_num_threads says (it did, until this test)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert native_kernels.threads_used(64) == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_extremes_of_every_format(built):

@@ -34,7 +34,9 @@ ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
 SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp")
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+# -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
+# compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", *(("-fopenmp",) if torch._C.has_openmp else ()))
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"
 
@@ -162,6 +164,12 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ze
     `q8_activations`: the opt-in integer-dot variant (x rounded to int8 per block of 32 columns,
     `quantize_q8a`; groups of a multiple of 32 columns)."""
     return _linear_op(q8_activations)(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
+
+
+def threads_used(tasks: int = 64) -> int:
+    """How many threads the kernels' parallel loops run on now (torch.get_num_threads() when built
+    with torch's OpenMP; 1 if the build lost it). The caller has checked `unavailable()`."""
+    return int(getattr(torch.ops, _LIB).threads_used(tasks))
 
 
 @functools.lru_cache(maxsize=2)

@@ -28,6 +28,7 @@
 #include "weight_operands.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -253,9 +254,18 @@ at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 }  // namespace gptforge_wo
 
+// How many of torch's intra-op threads one at::parallel_for over `tasks` items runs on: the check
+// that this library was built with torch's threading (without OpenMP the template runs serially).
+int64_t threads_used(int64_t tasks) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
 TORCH_LIBRARY(gptforge_wo, m) {
   m.def("linear(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
         &gptforge_wo::wo_linear);
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("max_rows() -> int", []() -> int64_t { return kMaxRows; });
+  m.def("threads_used(int tasks) -> int", &threads_used);
 }
