@@ -166,6 +166,26 @@ def test_a_failed_build_is_one_warning(monkeypatch, tmp_path, cxx):
     assert not (tmp_path / "k" / f"{native_kernels._LIB}.so").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not native_kernels.OPENMP_FLAGS, reason="this torch does not use OpenMP")
+def test_a_compiler_without_openmp_builds_serial_kernels(monkeypatch, tmp_path):
+    """A compiler that rejects -fopenmp (clang without libomp) still gives working kernels, on one
+    thread, with one warning saying how to get the threaded build."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "error: no OpenMP" >&2; exit 1; }; done\n'
+                   f'exec {shutil.which("c++")} "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    code = ("import torch, warnings; from gptforge.transforms import native_kernels as nk\n"
+            "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
+            f"    assert nk.load_library(__import__('pathlib').Path({str(tmp_path / 'k')!r})) is None\n"
+            "torch.set_num_threads(2); print(nk.threads_used(64), [str(x.message) for x in w])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(Path(native_kernels.__file__).parents[2])})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("1 ") and "built without OpenMP" in r.stdout
+
+
 def test_a_waiting_process_loads_the_library_the_lock_holder_built(built, tmp_path, capsys):
     """While one process holds the build lock, another waits, then finds the library and does not
     build it again."""

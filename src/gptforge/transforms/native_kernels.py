@@ -36,7 +36,8 @@ CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
 SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp")
 # -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
 # compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", *(("-fopenmp",) if torch._C.has_openmp else ()))
+OPENMP_FLAGS = ("-fopenmp",) if torch._C.has_openmp else ()
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", *OPENMP_FLAGS)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _LIB = "gptforge_wo"
 
@@ -86,12 +87,29 @@ def _build(d: Path) -> Path:
         progress.info("building CPU kernels (once)")
         tmp = d / "build"
         tmp.mkdir(exist_ok=True)
-        with progress.task("building CPU kernels"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cpp_extension.load(_LIB, [str(_CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                               build_directory=str(tmp), is_python_module=False, verbose=False)
-        os.replace(tmp / f"{_LIB}.so", lib)  # atomic: a reader sees the whole library or none
+        with progress.task("building CPU kernels"):
+            try:
+                _compile(cpp_extension, tmp, CFLAGS)
+            except Exception:  # noqa: BLE001 - e.g. clang without libomp: retried without OpenMP below
+                if not OPENMP_FLAGS:
+                    raise
+                tmp = d / "build-serial"
+                tmp.mkdir(exist_ok=True)
+                _compile(cpp_extension, tmp, tuple(f for f in CFLAGS if f not in OPENMP_FLAGS))
+                warnings.warn("gptforge's CPU kernels were built without OpenMP (the compiler has none): they run "
+                              "on one thread; install the compiler's OpenMP (e.g. libomp-dev for clang) and "
+                              f"delete {d} to rebuild", RuntimeWarning, stacklevel=3)
+        # cpp_extension names a second build of one name in a process `<name>_v1.so`
+        built = max(tmp.glob(f"{_LIB}*.so"), key=lambda f: f.stat().st_mtime)
+        os.replace(built, lib)  # atomic: a reader sees the whole library or none
         return lib
+
+
+def _compile(cpp_extension, tmp: Path, flags: tuple[str, ...]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpp_extension.load(_LIB, [str(_CSRC / s) for s in SOURCES], extra_cflags=list(flags),
+                           build_directory=str(tmp), is_python_module=False, verbose=False)
 
 
 @functools.lru_cache(maxsize=1)
