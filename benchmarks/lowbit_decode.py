@@ -19,6 +19,10 @@ decode time after the prompt. The engines, all at the same thread count:
   (gptforge's own kernels, today's `auto`) and `before` (`GPTFORGE_WEIGHT_KERNEL=packed`: the
   choice `auto` made before them, PyTorch's packed kernels where exact, else dequantize), and
   `native-q8a` (the opt-in variant with int8 activations per 32 columns, llama.cpp's scheme);
+- gptforge wo-bf16: `gptforge quantize --weights bf16 --head-bits 16` of the same weights (block
+  Linears and the tied head in bf16), `native` (the native kernels widening bf16 to fp32, on any
+  CPU) and `before` (the choice before them: oneDNN bf16 where the CPU has it, else a bf16 -> fp32
+  copy and `F.linear` per call);
 - llama.cpp (llama-cpp-python) on `gptforge export --format gguf` files: f32, f16, q8_0, q4_0
   (q4_0 keeps the tied head at q8_0); its default f16 KV cache; `eval` of one token per step
   and an argmax over its logits, as ours.
@@ -29,9 +33,9 @@ step), interleaved in the same rounds; the report adds their ratios.
 
 llama.cpp's f16 figure stands alone. Rounds interleave every engine (load from other processes
 hits all alike); reported: median of the per-round medians, and the spread (min-max of the round
-medians), with the load average before and after and the CPU name. The int4 weight-streaming
-limit: the int4 model's weight bytes read per token over a bandwidth probe's GB/s (see
-`lowbit_kernels.py`), measured in the same run.
+medians), with the load average before and after and the CPU name. The int4 (and bf16)
+weight-streaming limit: the model's weight bytes read per token over a bandwidth probe's GB/s
+(see `lowbit_kernels.py`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -84,11 +88,16 @@ def int8_model(model, vocab: int, seed: int = 1):
     return m
 
 
+WO_FORMATS = {"int8": 8, "int4": 4, "bf16": 16}
+
+
 def weight_only_model(model, bits: int):
-    """`gptforge quantize --weights int8|int4` (round to nearest, its default grouping) of `model`."""
+    """`gptforge quantize --weights int8|int4` (round to nearest, its default grouping; the head int8) or
+    `--weights bf16 --head-bits 16` (bits 16) of `model`."""
     from gptforge.transforms.weight_only import WeightOnlySpec, quantize_rtn_model
 
-    return quantize_rtn_model(copy.deepcopy(model), WeightOnlySpec(bits=bits, group_size=64 if bits == 4 else 0))
+    spec = WeightOnlySpec(bits=bits, group_size=64 if bits == 4 else 0, head_bits=16 if bits == 16 else 8)
+    return quantize_rtn_model(copy.deepcopy(model), spec)
 
 
 @contextlib.contextmanager
@@ -193,10 +202,11 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
     engines: dict[str, tuple[object, int]] = {"gptforge fp32": (model, state_bytes(model))}
     q = int8_model(model, tok.vocab_size)
     engines["gptforge int8"] = (q, state_bytes(q))
-    for bits in (8, 4):
-        wo = weight_only_model(model, bits)
+    for fmt in args.wo_formats if args.wo_kernels else ():
+        wo = weight_only_model(model, WO_FORMATS[fmt])
         for kern in args.wo_kernels:
-            engines[f"gptforge wo-int{bits} {kern}"] = (wo, state_bytes(wo))
+            if not (fmt == "bf16" and kern == "native-q8a"):  # no int8-activation variant for bf16 weights
+                engines[f"gptforge wo-{fmt} {kern}"] = (wo, state_bytes(wo))
     for t in args.llama_types:
         path = tmp / f"{preset}_{t}.gguf"
         r = save_gguf(model, path, tok, t, model_cfg=cfg.Model)
@@ -232,6 +242,8 @@ def report(preset: str, rows, args) -> None:
     tps = {name: 1 / statistics.median(r) for name, r, _ in rows}
     pairs = (("gptforge fp32", "llama.cpp f32"), ("gptforge int8", "llama.cpp q8_0"),
              ("gptforge wo-int8 native", "llama.cpp q8_0"), ("gptforge wo-int4 native", "llama.cpp q4_0"),
+             ("gptforge wo-bf16 native", "llama.cpp f16"), ("gptforge wo-bf16 native", "gptforge wo-bf16 before"),
+             ("gptforge wo-bf16 native", "gptforge fp32"),
              ("gptforge wo-int8 native", "gptforge wo-int8 before"), ("gptforge wo-int4 native", "gptforge wo-int4 before"),
              ("gptforge wo-int4 native", "gptforge int8"), ("gptforge wo-int8 native-q8a", "llama.cpp q8_0"),
              ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"))
@@ -240,13 +252,13 @@ def report(preset: str, rows, args) -> None:
     for ours, theirs in pairs:
         if ours in tps and theirs in tps:
             print(f"- {ours} / {theirs}: {tps[ours] / tps[theirs]:.2f}x")
-    wo4 = [(r, b) for name, r, b in rows if name == "gptforge wo-int4 native"]
-    if wo4:
-        bw = bandwidth_gbs()
-        limit = bw * 1e9 / wo4[0][1]
-        print(f"- int4 weight-streaming limit: {wo4[0][1] / 1e6:.0f} MB per token at {bw:.1f} GB/s (probe, "
-              f"{torch.get_num_threads()} threads) = {limit:.1f} tok/s; gptforge wo-int4 native reaches "
-              f"{tps['gptforge wo-int4 native'] / limit:.0%} of it")
+    streamed = [(name, b) for name, _, b in rows if name in ("gptforge wo-int4 native", "gptforge wo-bf16 native")]
+    bw = bandwidth_gbs() if streamed else 0.0
+    for name, nbytes in streamed:
+        limit = bw * 1e9 / nbytes
+        print(f"- {name.split()[1][3:]} weight-streaming limit: {nbytes / 1e6:.0f} MB per token at {bw:.1f} GB/s "
+              f"(probe, {torch.get_num_threads()} threads) = {limit:.1f} tok/s; {name} reaches "
+              f"{tps[name] / limit:.0%} of it")
 
 
 def main() -> int:
@@ -268,6 +280,8 @@ def main() -> int:
     ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
                     choices=["native", "native-q8a", "before"],
                     help="weight-only kernels to run (none: no weight-only models)")
+    ap.add_argument("--wo-formats", nargs="+", default=list(WO_FORMATS), choices=list(WO_FORMATS),
+                    help="weight-only formats to run with each of --wo-kernels")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     try:

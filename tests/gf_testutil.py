@@ -47,6 +47,14 @@ def skip_unless_runs(path: str, best: str) -> None:
         pytest.skip(f"this CPU runs at most the {best} path, not {path}")
 
 
+def within_fp32_rounding(y, x, wf, b) -> None:
+    """Assert |y - ref| within fp32 rounding of the float64 reference x · wfᵀ + b: relative to the
+    result and to the sum of |x|·|w| (the size of the terms summed)."""
+    ref = x.double() @ wf.double().T + (b.double() if b is not None else 0)
+    bound = 1e-5 * ref.abs() + 2e-6 * (x.double().abs() @ wf.double().abs().T) + 1e-7
+    err = (y.double() - ref).abs()
+    assert y.shape == ref.shape and bool((err <= bound).all()), float((err / bound).max())
+
 
 def packed_rows_invariant(model) -> bool:
     """Whether oneDNN's packed fp32 Linear is batch-invariant on this CPU for `model`'s Linear

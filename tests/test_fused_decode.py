@@ -2,7 +2,7 @@
 the Python ragged step it replaces (PyTorch's own ops, module by module): the logits of every step
 of a greedy decode equal bit for bit (torch.equal) for fp32 weights (the one-row GEMV, oneDNN's
 packed kernel, plain F.linear), weight-only int8 / int4 on the `native` and `native-q8a` kernels
-(AWQ's input scale included), float32 and int8 KV slots, on every instruction-set path this CPU
+(AWQ's input scale included) and bf16 (block Linears and the head), float32 and int8 KV slots, on every instruction-set path this CPU
 runs; and, with fp32 weights (the batch-invariant case), they equal the same sequence's logits
 decoded beside another sequence (the Python path: served output = generate whatever shares the
 batch). LoRA, MoE, bf16 slots, two sequences and `GPTFORGE_FUSED_DECODE=off` take the Python
@@ -50,8 +50,9 @@ def base():
     return _varied(tiny_model()[0])
 
 
-def _weight_only(model, bits, group, sym=True, awq=False):
-    m = quantize_rtn_model(copy.deepcopy(model), WeightOnlySpec(bits=bits, group_size=group, sym=sym))
+def _weight_only(model, bits, group, sym=True, awq=False, head_bits=8):
+    spec = WeightOnlySpec(bits=bits, group_size=group, sym=sym, head_bits=head_bits)
+    m = quantize_rtn_model(copy.deepcopy(model), spec)
     if awq:  # one layer with AWQ's input scale (its input divided before the kernel)
         lin = model.blocks[0].linear1
         s = torch.rand(lin.in_features, generator=torch.Generator().manual_seed(5)) + 0.5
@@ -98,6 +99,7 @@ MODELS = {
     "wo-int8-asym-g32-awq": lambda m: _weight_only(m, 8, 32, sym=False, awq=True),
     "wo-int4-g32": lambda m: _weight_only(m, 4, 32),
     "wo-int4-asym-g64-awq": lambda m: _weight_only(m, 4, 64, sym=False, awq=True),
+    "wo-bf16": lambda m: _weight_only(m, 16, 0, head_bits=16),  # `quantize --weights bf16 --head-bits 16`
 }
 
 
@@ -122,7 +124,7 @@ def test_kv_slot_dtypes(built, monkeypatch, base, kv):
 
 
 @pytest.mark.parametrize("path", ISA_ORDER)
-@pytest.mark.parametrize("kind", ["fp32", "wo-int4-asym-g64-awq", "wo-int8"])
+@pytest.mark.parametrize("kind", ["fp32", "wo-int4-asym-g64-awq", "wo-int8", "wo-bf16"])
 def test_every_isa_path(built, monkeypatch, base, path, kind):
     """fp32 takes the one-row GEMV on the vector paths and oneDNN's packed kernel on `scalar`."""
     skip_unless_runs(path, built)

@@ -13,10 +13,10 @@ whatever shares the batch.
 
 It applies to plain GPT blocks (no MoE, no hooks, no wrapped or adapted Linears) whose Linears
 run as the backend runs them for one fp32 row: its packed copies (`_linear_ops`: the one-row
-GEMV or oneDNN's packed kernel), plain `nn.Linear`, or weight-only layers on the `native` /
-`native-q8a` kernels (their own `kernel_for` choice). Anything else (LoRA, MoE, the real INT8
-model, bf16 KV slots, prefill, several sequences, tensor parallel) keeps the Python path, as
-does `GPTFORGE_FUSED_DECODE=off` and any machine without the native kernels.
+GEMV or oneDNN's packed kernel), plain `nn.Linear`, or weight-only int8 / int4 / bf16 layers on
+the `native` / `native-q8a` kernels (their own `kernel_for` choice). Anything else (LoRA, MoE,
+the real INT8 model, bf16 KV slots, prefill, several sequences, tensor parallel) keeps the
+Python path, as does `GPTFORGE_FUSED_DECODE=off` and any machine without the native kernels.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _linear(mod: nn.Module, linear_ops: dict, isa: int) -> tuple | None:
         if kern not in ("native", "native-q8a"):
             return None
         kind = WEIGHT_ONLY_Q8A if kern == "native-q8a" else WEIGHT_ONLY
-        zero = None if mod.sym else mod.weight_zero
-        return (kind, mod.weight, mod.weight_scale, zero, mod.bias, getattr(mod, "act_scale", None), mod.out_features,
+        scale, zero = mod.native_operands()
+        return (kind, mod.weight, scale, zero, mod.bias, getattr(mod, "act_scale", None), mod.out_features,
                 mod.bits, isa)
     return None

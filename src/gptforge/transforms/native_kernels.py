@@ -174,13 +174,14 @@ def max_rows() -> int:
     return int(getattr(torch.ops, _LIB).max_rows())
 
 
-def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                        bias: torch.Tensor | None, bits: int, path: str | None = None,
                        q8_activations: bool = False) -> torch.Tensor:
     """x [M, K] fp32 (M <= max_rows()) times the weight-only matrix (int8 [N, K] or packed int4
-    [N, K/2], scale [N, groups], int8 zero or None) transposed, plus bias: [M, N] fp32.
-    `q8_activations`: the opt-in integer-dot variant (x rounded to int8 per block of 32 columns,
-    `quantize_q8a`; groups of a multiple of 32 columns)."""
+    [N, K/2] with scale [N, groups] and int8 zero or None; or bf16 [N, K], bits 16, scale and
+    zero None) transposed, plus bias: [M, N] fp32. `q8_activations`: the opt-in integer-dot
+    variant for int8 / int4 (x rounded to int8 per block of 32 columns, `quantize_q8a`; groups of
+    a multiple of 32 columns)."""
     return _linear_op(q8_activations)(x.contiguous(), w, scale, zero, bias, bits, ISA_CODES[path or isa()])
 
 

@@ -5,11 +5,13 @@ float activations. A quantized model directory records its format in `weight_onl
 Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEIGHT_KERNEL`:
 
 - `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use)
-  for int8 / int4 layers and batches of up to `NATIVE_MAX_ROWS` rows (decode): the stored bytes
-  read directly, fp32 accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
+  for int8 / int4 / bf16 layers and batches of up to `NATIVE_MAX_ROWS` rows (decode): the stored
+  bytes read directly (bf16 widened to fp32 exactly, so on any CPU, no bf16 arithmetic), fp32
+  accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
 - `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per
-  block of 32 columns and exact integer dot products (llama.cpp's q8 activations), for groups of
-  a multiple of 32 columns: faster, not the float product (`native` for other layers).
+  block of 32 columns and exact integer dot products (llama.cpp's q8 activations), for int8 /
+  int4 groups of a multiple of 32 columns: faster, not the float product (`native` for other
+  layers, bf16 ones included).
 - `packed`: PyTorch's packed CPU kernels, `aten._weight_int8pack_mm` (int8, symmetric, one
   scale per row) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32..256, rows a
   multiple of 16), where a one-time probe finds them exact on this CPU against integer
@@ -20,9 +22,9 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 - `fp32`: dequantize to fp32 and `F.linear` (every CPU). Nothing dequantized is cached.
 `auto` (default): `native` where built and the call fits it, else `bf16` where native, else
 `fp32` (`packed` only when forced: it is slower than `fp32` at every batch measured). bf16 weights
-(`bits=16`) use `bf16` where native, else `fp32` (a bf16 -> fp32 copy per call: the bytes of
-bf16, the speed of fp32). A forced `native` takes the `auto` path for calls it does not cover
-(bf16 weights, longer batches) and is a UsageError where the kernels cannot be built.
+(`bits=16`) take `native` too; longer batches use `bf16` where native, else `fp32` (a bf16 -> fp32
+copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
+does not cover (longer batches) and is a UsageError where the kernels cannot be built.
 Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at
 batch 1 in torch 2.13; `native` is the batch-1 path.
 """
@@ -237,7 +239,7 @@ class WeightOnlyLinear(nn.Module):
                 raise UsageError(f"{KERNEL_ENV}={req}: gptforge's CPU kernels are unavailable here ({why}); "
                                  "unset it to use the built-in kernels")
         fits = self._native_fits(x)
-        if req == "native-q8a" and fits and (self.group_size or self.in_features) % 32 == 0:
+        if req == "native-q8a" and fits and self.bits < 16 and (self.group_size or self.in_features) % 32 == 0:
             return "native-q8a"
         if (req == "auto" or req.startswith("native")) and fits and not native_kernels.unavailable():
             return "native"
@@ -250,10 +252,17 @@ class WeightOnlyLinear(nn.Module):
         return "bf16"
 
     def _native_fits(self, x: torch.Tensor) -> bool:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or self.bits == 16:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         g = self.group_size or self.in_features
-        return x.shape[0] <= NATIVE_MAX_ROWS and (self.bits == 8 or g % 2 == 0)
+        return x.shape[0] <= NATIVE_MAX_ROWS and (self.bits != 4 or g % 2 == 0)
+
+    def native_operands(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(scale, zero) as the native kernels take them: None for what the format has not (bf16:
+        neither; symmetric: no zero)."""
+        if self.bits == 16:
+            return None, None
+        return self.weight_scale, None if self.sym else self.weight_zero
 
     def _packable(self, x: torch.Tensor) -> bool:
         if x.device.type != "cpu" or x.dtype != torch.float32:
@@ -280,8 +289,7 @@ class WeightOnlyLinear(nn.Module):
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
         if kern.startswith("native"):  # fp32 in and out (`_native_fits`)
-            zero = None if self.sym else self.weight_zero
-            y = native_kernels.weight_only_linear(x2, self.weight, self.weight_scale, zero, bias, self.bits,
+            y = native_kernels.weight_only_linear(x2, self.weight, *self.native_operands(), bias, self.bits,
                                                   q8_activations=kern == "native-q8a")
             return y.view(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:

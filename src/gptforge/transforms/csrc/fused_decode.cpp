@@ -39,7 +39,7 @@ enum Kind : int64_t { kGemv = 0, kPacked = 1, kPlain = 2, kWeightOnly = 3, kWeig
 struct Linear {
   int64_t kind = kPlain;
   at::Tensor w;  // 64-output blocks (kGemv), oneDNN's packed copy (kPacked), the fp32 weight (kPlain),
-                 // the stored int8 / packed int4 weight (weight-only kinds)
+                 // the stored int8 / packed int4 / bf16 weight (weight-only kinds)
   c10::optional<at::Tensor> scale, zero, bias, act_scale;
   int64_t n = 0, bits = 0, isa = 0;
 };
@@ -70,7 +70,9 @@ struct DecodePlan : torch::CustomClassHolder {
                   c10::optional<at::Tensor> bias, c10::optional<at::Tensor> act_scale, int64_t n, int64_t bits,
                   int64_t isa) {
     TORCH_CHECK(kind >= kGemv && kind <= kWeightOnlyQ8a, "unknown Linear kind ", kind);
-    TORCH_CHECK(kind < kWeightOnly || scale.has_value(), "a weight-only Linear needs its scales");
+    TORCH_CHECK(kind < kWeightOnly || scale.has_value() == (bits != 16),
+                "a weight-only Linear needs its scales (int8 / int4) or none (bf16)");
+    TORCH_CHECK(kind != kWeightOnlyQ8a || bits != 16, "bf16 weights have no q8a variant");
     linears.push_back(Linear{kind, w, scale, zero, bias, act_scale, n, bits, isa});
   }
 
@@ -105,7 +107,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
       if (l.act_scale.has_value()) x2 = at::div(x2, *l.act_scale);
       at::Tensor y = l.kind == kWeightOnlyQ8a
                          ? gptforge_wo::wo_linear_q8a(x2.contiguous(), l.w, *l.scale, l.zero, l.bias, l.bits, l.isa)
-                         : gptforge_wo::wo_linear(x2.contiguous(), l.w, *l.scale, l.zero, l.bias, l.bits, l.isa);
+                         : gptforge_wo::wo_linear(x2.contiguous(), l.w, l.scale, l.zero, l.bias, l.bits, l.isa);
       std::vector<int64_t> sizes = x.sizes().vec();
       sizes.back() = l.n;
       return y.view(sizes);

@@ -10,8 +10,9 @@
 
 namespace gptforge_wo {
 
-// gptforge_wo::linear (weight_only_gemv.cpp): x [M, K] fp32 times an int8 / packed int4 weight.
-at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+// gptforge_wo::linear (weight_only_gemv.cpp): x [M, K] fp32 times an int8 / packed int4 weight (with
+// its scales) or a bf16 one (scale absent).
+at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                      const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
                      int64_t isa);
 

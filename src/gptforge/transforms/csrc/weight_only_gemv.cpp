@@ -1,4 +1,4 @@
-// Batch-1 / small-batch products with weight-only int8 and int4 layers (gptforge, issue #32):
+// Batch-1 / small-batch products with weight-only int8, int4 and bf16 layers (gptforge, issue #32):
 // y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, g]) * scale[n, g] + bias[n], fp32 accumulation.
 //
 // Weights stay in the stored format (transforms/lowbit.py): int8 [N, K] or int4 packed two per
@@ -8,6 +8,11 @@
 // with x and subtract the offset times the group's sum of x (wo_exact_body.inc), the scalar
 // path subtracts it per weight; each group's sum is scaled once. So the result differs from
 // F.linear(x, dequant(W)) only by fp32 rounding.
+//
+// bf16 [N, K] (bits 16) is the same product with no scale, zero or groups: a bf16 value is the
+// upper half of the fp32 with the same value, so widening it (16 bits shifted up) is exact and
+// the result is x · W.float()ᵀ within fp32 rounding. It reads half of fp32's bytes on any CPU
+// (no bf16 arithmetic needed), which is what bounds a batch-1 step.
 //
 // int4: V bytes widened to 32-bit lanes give V low nibbles (even columns) and, shifted, V high
 // ones (odd columns); x is permuted once per call so that within each block of 2V columns of a
@@ -44,8 +49,8 @@ constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the vector paths prefet
 struct Problem {
   const float* x;        // [M, K] (int4 on the vector paths: permuted, see permute_x)
   const float* xsum;     // [M, G]: each group's sum of x (vector paths)
-  const uint8_t* w;      // int8 [N, K] or packed int4 [N, K/2], as bytes
-  const float* scale;    // [N, G]
+  const uint8_t* w;      // int8 [N, K], packed int4 [N, K/2] or bf16 [N, K], as bytes
+  const float* scale;    // [N, G]; null for bf16 (G = 1)
   const int8_t* zero;    // [N, G] or null (symmetric)
   const float* bias;     // [N] or null
   float* y;              // [M, N]
@@ -61,10 +66,23 @@ GF_INLINE int offset(const Problem& p, int64_t n, int64_t gi) {
   return (p.zero ? p.zero[n * p.G + gi] : 0) + (p.bits == 4 ? 8 : 0);
 }
 
-GF_INLINE int stored_int(const Problem& p, const uint8_t* row, int64_t k) {
+// Column k's stored value as a float: an integer (exact) or bf16 widened (exact).
+GF_INLINE float stored(const Problem& p, const uint8_t* row, int64_t k) {
+  if (p.bits == 16) {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * k, 2);
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
   if (p.bits == 8) return static_cast<int8_t>(row[k]);
   const uint8_t b = row[k >> 1];
   return (k & 1) ? (b >> 4) : (b & 0x0F);
+}
+
+GF_INLINE float group_scale(const Problem& p, int64_t n, int64_t gi) {
+  return p.scale ? p.scale[n * p.G + gi] : 1.f;  // bf16: none (times 1 is exact)
 }
 
 GF_INLINE void finish_row(const Problem& p, int64_t n, const float* acc) {
@@ -79,9 +97,9 @@ GF_INLINE float scalar_share(const Problem& p, const uint8_t* row, int64_t n, in
   float c = 0.f;
   for (int64_t gi = 0; gi < p.G; ++gi) {
     float part = 0.f;
-    for (int64_t k = gi * p.g + gv; k < (gi + 1) * p.g; ++k)
-      part += p.x[m * p.K + k] * static_cast<float>(stored_int(p, row, k));
-    c += p.scale[n * p.G + gi] * (static_cast<float>(offset(p, n, gi)) * p.xsum[m * p.G + gi] - part);
+    for (int64_t k = gi * p.g + gv; k < (gi + 1) * p.g; ++k) part += p.x[m * p.K + k] * stored(p, row, k);
+    const int off = offset(p, n, gi);  // bf16: always 0, and no group sums are computed
+    c += group_scale(p, n, gi) * ((off ? static_cast<float>(off) * p.xsum[m * p.G + gi] : 0.f) - part);
   }
   return c;
 }
@@ -89,18 +107,17 @@ GF_INLINE float scalar_share(const Problem& p, const uint8_t* row, int64_t n, in
 // ------------------------------------------------------------------------------ scalar
 
 void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t row_bytes = p.bits == 4 ? p.K / 2 : p.K;
+  const int64_t row_bytes = p.K * p.bits / 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * row_bytes;
     float acc[kMaxRows] = {0.f};
     for (int64_t gi = 0; gi < p.G; ++gi) {
-      const int off = offset(p, n, gi);
-      const float s = p.scale[n * p.G + gi];
+      const float off = static_cast<float>(offset(p, n, gi));  // integers: the difference stays exact
+      const float s = group_scale(p, n, gi);
       for (int64_t m = 0; m < p.M; ++m) {
         const float* xm = p.x + m * p.K;
         float part = 0.f;
-        for (int64_t k = gi * p.g; k < (gi + 1) * p.g; ++k)
-          part += xm[k] * static_cast<float>(stored_int(p, row, k) - off);
+        for (int64_t k = gi * p.g; k < (gi + 1) * p.g; ++k) part += xm[k] * (stored(p, row, k) - off);
         acc[m] += part * s;
       }
     }
@@ -136,6 +153,11 @@ inline void wi4(const uint8_t* w, VF* lo, VF* hi) {
   *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+// 8 bf16 (16 bytes) widened to fp32: each 16 bits zero-extended, then shifted into the upper half.
+inline VF wbf(const uint8_t* w) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
 #include "wo_exact_body.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -161,6 +183,10 @@ inline void wi4(const uint8_t* w, VF* lo, VF* hi) {
   *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
   *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
+inline VF wbf(const uint8_t* w) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
 #include "wo_exact_body.inc"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -171,8 +197,8 @@ using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 
 template <int M>
 RowsFn pick_m(int64_t isa, int bits) {
-  if (isa == kAvx512) return bits == 4 ? &avx512::rows<M, 4> : &avx512::rows<M, 8>;
-  if (isa == kAvx2) return bits == 4 ? &avx2::rows<M, 4> : &avx2::rows<M, 8>;
+  if (isa == kAvx512) return bits == 4 ? &avx512::rows<M, 4> : bits == 8 ? &avx512::rows<M, 8> : &avx512::rows<M, 16>;
+  if (isa == kAvx2) return bits == 4 ? &avx2::rows<M, 4> : bits == 8 ? &avx2::rows<M, 8> : &avx2::rows<M, 16>;
   return &rows_scalar;
 }
 
@@ -222,28 +248,35 @@ int64_t cpu_isa() { return cpu_has(kAvx512) ? kAvx512 : cpu_has(kAvx2) ? kAvx2 :
 // The entry point (kernels.h: the fused decode step calls it directly).
 namespace gptforge_wo {
 
-at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                      const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias, int64_t bits,
                      int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "bits: 4, 8 or 16 (bf16)");
   TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = scale.size(1);
+  const bool bf16 = bits == 16;
+  const bool has_scale = scale.has_value() && scale->defined();
+  TORCH_CHECK(has_scale != bf16, bf16 ? "bf16 weights take no scale" : "int8 / int4 weights need their scales");
+  TORCH_CHECK(!bf16 || !zero.has_value() || !zero->defined(), "bf16 weights take no zero");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = bf16 ? 1 : scale->size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "batch rows: 1..", kMaxRows);
-  TORCH_CHECK(w.is_contiguous() && w.element_size() == 1 && w.size(1) == (bits == 4 ? K / 2 : K), "w shape");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.size(0) == N && K % G == 0,
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(1) == (bits == 4 ? K / 2 : K) &&
+                  (bf16 ? w.scalar_type() == at::kBFloat16 : w.element_size() == 1),
+              "w: contiguous int8 [N, K], packed int4 [N, K/2] or bf16 [N, K]");
+  TORCH_CHECK(bf16 || (scale->is_contiguous() && scale->scalar_type() == at::kFloat && scale->size(0) == N &&
+                       K % G == 0),
               "scale shape");
   const int64_t g = K / G;
-  TORCH_CHECK(bits == 8 || g % 2 == 0, "int4 groups must have an even number of columns");
+  TORCH_CHECK(bits != 4 || g % 2 == 0, "int4 groups must have an even number of columns");
   Problem p{};
-  at::Tensor xs = group_sums(x, G);
+  at::Tensor xs = bf16 ? at::Tensor() : group_sums(x, G);  // bf16: no offsets to fold out
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor xin = bits == 4 && isa != kScalar ? permute_x(x, g, isa == kAvx512 ? 16 : 8) : x;
   p.x = xin.data_ptr<float>();
-  p.xsum = xs.data_ptr<float>();
+  p.xsum = bf16 ? nullptr : xs.data_ptr<float>();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
-  p.scale = scale.data_ptr<float>();
-  gptforge_wo::optional_operands(zero, bias, scale, N, &p.zero, &p.bias);
+  p.scale = bf16 ? nullptr : scale->data_ptr<float>();
+  gptforge_wo::optional_operands(zero, bias, bf16 ? c10::IntArrayRef() : scale->sizes(), N, &p.zero, &p.bias);
   p.y = y.data_ptr<float>();
   p.M = M, p.N = N, p.K = K, p.G = G, p.g = g, p.bits = static_cast<int>(bits);
   const RowsFn fn = pick(isa, p.bits, M);
@@ -263,7 +296,7 @@ int64_t threads_used(int64_t tasks) {
 }
 
 TORCH_LIBRARY(gptforge_wo, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
+  m.def("linear(Tensor x, Tensor w, Tensor? scale, Tensor? zero, Tensor? bias, int bits, int isa) -> Tensor",
         &gptforge_wo::wo_linear);
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("max_rows() -> int", []() -> int64_t { return kMaxRows; });

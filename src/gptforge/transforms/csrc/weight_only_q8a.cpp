@@ -223,7 +223,7 @@ at::Tensor wo_linear_q8a(const at::Tensor& x, const at::Tensor& w, const at::Ten
   p.xq = xq.data_ptr<int8_t>(), p.d = d.data_ptr<float>(), p.gcorr = gcorr.data_ptr<float>();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
   p.scale = scale.data_ptr<float>();
-  gptforge_wo::optional_operands(zero, bias, scale, N, &p.zero, &p.bias);
+  gptforge_wo::optional_operands(zero, bias, scale.sizes(), N, &p.zero, &p.bias);
   p.y = y.data_ptr<float>();
   p.M = M, p.N = N, p.K = K, p.G = G, p.g = K / G, p.bits = static_cast<int>(bits);
   const RowsFn fn = pick(isa, p.bits, M);

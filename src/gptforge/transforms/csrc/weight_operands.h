@@ -8,12 +8,12 @@
 
 namespace gptforge_wo {
 
-// int8 zeros shaped like `scale` ([N, groups]) and a float bias [N], each null when absent.
+// int8 zeros shaped like the scales ([N, groups]: `zero_shape`) and a float bias [N], each null when absent.
 inline void optional_operands(const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias,
-                              const at::Tensor& scale, int64_t N, const int8_t** zp, const float** bp) {
+                              c10::IntArrayRef zero_shape, int64_t N, const int8_t** zp, const float** bp) {
   *zp = nullptr, *bp = nullptr;
   if (zero.has_value() && zero->defined()) {
-    TORCH_CHECK(zero->is_contiguous() && zero->scalar_type() == at::kChar && zero->sizes() == scale.sizes(), "zero");
+    TORCH_CHECK(zero->is_contiguous() && zero->scalar_type() == at::kChar && zero->sizes() == zero_shape, "zero");
     *zp = zero->data_ptr<int8_t>();
   }
   if (bias.has_value() && bias->defined()) {
