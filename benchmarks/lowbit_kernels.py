@@ -13,7 +13,12 @@ weights can reach; the int4 "weight-streaming limit" of a decode step is its byt
 `--rows`: the same kernels at batch M (`native` vs the path `auto` takes above it).
 `--baseline DIR`: another checkout's kernel sources (e.g. main's `src/gptforge/transforms/csrc`),
 built once into a temporary directory under a renamed op namespace and timed as `baseline native
-...` in the same rounds (before/after in one process).
+...` in the same rounds (before/after in one process); every baseline kernel's output must equal
+this checkout's bit for bit (`torch.equal`, checked before timing: the run stops where one differs).
+`--shapes 768x2304 768x768`: other (in x out) shapes; `--cold MB`: each call reads the next of
+enough copies of the weights to fill MB (larger than the last-level cache: the weights stream from
+memory, as in a whole decode step, instead of staying in the caches between calls).
+`int8 g64`: int8 in groups of 64 (the tied head of `lowbit_decode.py`'s int4 model).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
 
-SHAPES = ((768, 3072), (3072, 768), (768, 50257))
+SHAPES = [(768, 3072), (3072, 768), (768, 50257)]
+COLD_MB = [0]  # --cold
 BASELINE_NS = "gptforge_wo_baseline"
 _BASELINE: list = []  # the baseline's op namespace, once built
 
@@ -71,6 +77,21 @@ def _time(f, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _rotating(tensors: list[torch.Tensor]):
+    """A callable returning the next of `tensors` on each call (one copy: always that one)."""
+    state = [0]
+
+    def nxt() -> tuple:
+        state[0] = (state[0] + 1) % len(tensors)
+        return tensors[state[0]]
+    return nxt
+
+
+def _copies(nbytes: int) -> int:
+    """How many copies of `nbytes` of weights fill --cold MB (1 when warm)."""
+    return max(2, -(-COLD_MB[0] * 2**20 // nbytes)) if COLD_MB[0] else 1
+
+
 def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
     """{name: (callable, weight bytes)} for one shape at batch `rows`."""
     from gptforge.transforms import lowbit, native_kernels
@@ -80,6 +101,7 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
     w = torch.randn(n, k) * 0.02
     x = torch.randn(rows, k)
     q8, s8, _ = lowbit.quantize_rtn(w, 8, 0, True)
+    q8g, s8g, _ = lowbit.quantize_rtn(w, 8, 64, True)
     q4, s4, _ = lowbit.quantize_rtn(w, 4, 64, True)
     p4 = lowbit.pack_int4(q4)
     out: dict[str, tuple[object, int]] = {"fp32 F.linear": (lambda: F.linear(x, w), w.numel() * 4)}
@@ -90,22 +112,16 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
         out["aten int4pack g64"] = (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 64, qsz),
                                     p4.numel() + 8 * s4.numel())
     if rows <= native_kernels.max_rows():
-        out["native int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8), q8.numel() + 4 * n)
-        out["native int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4),
-                                  p4.numel() + 4 * s4.numel())
-        out["native-q8a int8"] = (lambda: native_kernels.weight_only_linear(x, q8, s8, None, None, 8, None, True),
-                                  q8.numel() + 4 * n)
-        out["native-q8a int4 g64"] = (lambda: native_kernels.weight_only_linear(x, p4, s4, None, None, 4, None, True),
-                                      p4.numel() + 4 * s4.numel())
+        code = native_kernels.ISA_CODES[native_kernels.isa()]
+        ops = {"native": torch.ops.gptforge_wo.linear, "native-q8a": torch.ops.gptforge_wo.linear_q8a}
         if _BASELINE:
-            code = native_kernels.ISA_CODES[native_kernels.isa()]
-            base = _BASELINE[0]
-            for op in ("linear", "linear_q8a"):
-                tag = "native" if op == "linear" else "native-q8a"
-                f = getattr(base, op)
-                out[f"baseline {tag} int8"] = (lambda f=f: f(x, q8, s8, None, None, 8, code), q8.numel() + 4 * n)
-                out[f"baseline {tag} int4 g64"] = (lambda f=f: f(x, p4, s4, None, None, 4, code),
-                                                   p4.numel() + 4 * s4.numel())
+            ops.update({"baseline native": _BASELINE[0].linear, "baseline native-q8a": _BASELINE[0].linear_q8a})
+        for fmt, (wq, sq, bits) in {"int8": (q8, s8, 8), "int8 g64": (q8g, s8g, 8), "int4 g64": (p4, s4, 4)}.items():
+            nbytes = wq.numel() + 4 * sq.numel()
+            nxt = _rotating([(wq.clone(), sq.clone()) for _ in range(_copies(nbytes))])
+            for tag, op in ops.items():
+                out[f"{tag} {fmt}"] = (lambda op=op, nxt=nxt, bits=bits: op(x, *nxt(), None, None, bits, code),
+                                       nbytes)
     if fbgemm_available():  # the real INT8 model's path: `split` rows (2 per row; the head's 2 digits: 4)
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
         pk = fbgemm_prepack(q8, s8[:, 0])
@@ -114,6 +130,16 @@ def kernels(k: int, n: int, rows: int) -> dict[str, tuple[object, int]]:
     deq8 = lambda: F.linear(x, lowbit.dequantize(q8, s8, torch.zeros_like(s8), 0))  # noqa: E731
     out["fp32 dequant int8"] = (deq8, q8.numel() + 4 * n)
     return out
+
+
+def check_baseline(suite: dict[str, tuple[object, int]], shape: tuple[int, int]) -> None:
+    """Every `baseline X` kernel's output equals `X`'s bit for bit (SystemExit naming it if not)."""
+    for name, (f, _) in suite.items():
+        if name.startswith("baseline "):
+            mine, base = suite[name.removeprefix("baseline ")][0](), f()
+            if not torch.equal(mine, base):
+                raise SystemExit(f"{shape[0]}x{shape[1]} {name.removeprefix('baseline ')}: output differs from the "
+                                 f"baseline's (max |diff| {float((mine - base).abs().max()):.3g})")
 
 
 def bandwidth_gbs(reps: int = 9) -> float:
@@ -130,6 +156,8 @@ def table(threads: int, rows: int, rounds: int, reps: int) -> None:
     torch.set_num_threads(threads)
     suites = {shape: {k: v for k, v in kernels(*shape, rows).items()
                       if not ONLY or k == "fp32 F.linear" or any(o in k for o in ONLY)} for shape in SHAPES}
+    for shape, suite in suites.items():
+        check_baseline(suite, shape)
     per: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for shape, ks in suites.items():
@@ -160,7 +188,12 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="DIR", help="another checkout's csrc/ to time alongside (see above)")
     ap.add_argument("--only", nargs="*", default=None, help="only kernels whose name contains one of these")
     ap.add_argument("--cpu-time", action="store_true", help="at 1 thread, time the calling thread's CPU time")
+    ap.add_argument("--shapes", nargs="+", metavar="INxOUT", help="(in x out) shapes instead of the default three")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB", help="rotate copies of the weights filling MB")
     args = ap.parse_args()
+    if args.shapes:
+        SHAPES[:] = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    COLD_MB[0] = args.cold
     from gptforge.transforms import native_kernels
 
     why = native_kernels.unavailable()

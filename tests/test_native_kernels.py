@@ -231,7 +231,7 @@ def test_q8a_equals_its_integer_reference(built, path, bits, group, sym, k, n, r
     x[0, :32] = 0  # an all-zero block: step 0
     zero = None if sym else z.to(torch.int8)
     xq, d, ref = _q8a_reference(x, q, s, zero, group, bits)
-    got_q, got_d = native_kernels.quantize_q8a(x)
+    got_q, got_d = native_kernels.quantize_q8a(x, path)
     assert torch.equal(got_q, xq) and torch.equal(got_d, d)
     b = torch.randn(n)
     y = native_kernels.weight_only_linear(x, lowbit.pack_int4(q) if bits == 4 else q, s, zero, b, bits, path,
@@ -239,6 +239,29 @@ def test_q8a_equals_its_integer_reference(built, path, bits, group, sym, k, n, r
     ref = ref + b.double()
     size = (xq.abs().double() * d.repeat_interleave(32, 1)) @ (q.abs().double() + 8).T * s.abs().max()
     assert bool(((y.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6 * size + 1e-7).all())
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_q8a_rounding_is_the_scalar_paths_bit_for_bit(built, path):
+    """The vector paths round the activations (vectorized) to the scalar loop's bits: ties (x / step
+    exactly k + 1/2, to even), zero and -0 blocks, subnormals, and the non-finite values (a NaN
+    rounds to 0 and is skipped by the block's maximum, an inf makes the step inf), in column
+    order and in the int4 rows' order (each block as [even columns, odd columns])."""
+    skip_unless_runs(path, built)
+    x = torch.randn(4, 256)
+    x[0, :32], x[0, 32:64] = 0.0, -0.0
+    x[1, :32] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])  # step 1: every value a tie
+    x[1, 32:64] *= 1e-40  # subnormal
+    x[2, 5], x[2, 40], x[2, 70], x[2, 71] = float("nan"), float("inf"), float("-inf"), float("nan")
+    for order in (False, True):
+        want_q, want_d = native_kernels.quantize_q8a(x, "scalar", order)
+        got_q, got_d = native_kernels.quantize_q8a(x, path, order)
+        assert torch.equal(got_q, want_q) and torch.equal(got_d, want_d)
+    plain, _ = native_kernels.quantize_q8a(x, path)
+    j = torch.arange(32)
+    assert torch.equal(got_q.view(4, 8, 32)[:, :, (j % 2) * 16 + j // 2], plain.view(4, 8, 32))
+    assert torch.equal(plain[1, :32], torch.tensor([127, -127] + [2 * round((k + 0.5) / 2) for k in range(-15, 15)],
+                                                  dtype=torch.int8))
 
 
 def test_q8a_is_opt_in_and_needs_whole_blocks(monkeypatch, built):

@@ -197,9 +197,12 @@ def _linear_op(q8_activations: bool):
     return getattr(torch.ops, _LIB).linear_q8a if q8_activations else getattr(torch.ops, _LIB).linear
 
 
-def quantize_q8a(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activations the integer-dot variant multiplies: (int8 [M, K], step [M, K/32])."""
-    return tuple(getattr(torch.ops, _LIB).quantize_q8a(x.contiguous()))
+def quantize_q8a(x: torch.Tensor, path: str | None = None,
+                 int4_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations the integer-dot variant multiplies: (int8 [M, K], step [M, K/32]), rounded
+    on `path` (as in `weight_only_linear`); `int4_order`: each block of 32 as [even columns, odd
+    columns], the order the int4 vector rows read."""
+    return tuple(getattr(torch.ops, _LIB).quantize_q8a(x.contiguous(), ISA_CODES[path or isa()], int4_order))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, layer: int, starts: list[int],
