@@ -65,6 +65,8 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
                     "activation scales start afresh", echo)
     if q.distill:
         distill_from_start(cfg, None if start.resume is not None else source)
+        d = cfg.Engine.distill
+        _notice(f"distilling from {d.teacher} (Engine.distill.alpha {d.alpha:g}, temperature {d.temperature:g})", echo)
     shape = checkpoint_model_config(source, fallback=cfg.Model)
     for k in ARCH_KEYS:
         setattr(cfg.Model, k, getattr(shape, k))
@@ -85,6 +87,7 @@ def distill_from_start(cfg: Config, start_weights: Path | None) -> None:
     absolute path. The saved config records it, so a resumed run (`start_weights` None) loads
     the same teacher even if `Compress.pretrained` names a run directory that has grown since."""
     from gptforge.model_io import resolve_checkpoint_path
+    from gptforge.train.distill import check_distill
 
     d = cfg.Engine.distill
     key = "Compress.Quantization.distill"
@@ -92,9 +95,11 @@ def distill_from_start(cfg: Config, start_weights: Path | None) -> None:
         if not d.teacher:
             raise ConfigError(f"{key}: the checkpoint being resumed was trained without distillation (its "
                               f"Engine.distill.teacher is unset); resume it with {key}=false, or start a new run")
+        check_distill(cfg)
         return
     teacher = Path(start_weights).resolve()
     if d.teacher and resolve_checkpoint_path(d.teacher).resolve() != teacher:
         raise ConfigError(f"Engine.distill.teacher: {d.teacher} is not the model the run starts from ({teacher}); "
                           f"with {key} the teacher is Compress.pretrained: leave Engine.distill.teacher unset")
     d.teacher = str(teacher)
+    check_distill(cfg)  # alpha, temperature, parallelism: one line before any work
