@@ -16,8 +16,14 @@ all in held-out bits per byte; per seed, then the median and the minimum over th
 printed: recovery against the float model's own RTN / GPTQ, (PTQ - QAT) / (PTQ - float), which
 credits QAT with the extra training. Goal: >= 90% of PTQ's loss recovered.
 
+`--distill`: QAT trained toward the float model it starts from (`Compress.Quantization.distill`,
+`Engine.distill.alpha` = `--alpha`, temperature `--temperature`) instead of the LM loss. Its
+model stays near the float one rather than training on, so the float model itself is the
+baseline and no control is trained: recovery = (PTQ(float) - QAT) / (PTQ(float) - float), PTQ =
+the float model's int4 g64 RTN (the acceptance number) and GPTQ (where it costs anything).
+
     .venv/bin/python benchmarks/qat4_quality.py [--work runs/bench_lowbit] [--steps 1000] [--qat-steps 200]
-        [--lr 6e-4] [--seeds 1024 1 2]
+        [--lr 6e-4] [--seeds 1024 1 2] [--distill [--alpha 1] [--temperature 1]]
 """
 
 from __future__ import annotations
@@ -98,16 +104,20 @@ def recovery(ptq_inc: float, qat_inc: float) -> float:
     return (ptq_inc - qat_inc) / ptq_inc if ptq_inc > 0 else float("nan")
 
 
-def aggregate(per_seed: dict[int, dict], goal: float = GOAL) -> dict:
-    """Per-seed recoveries against the control -> their median, minimum and the verdict: met on
-    every seed, met by the median only, or not met (a seed without a measurable PTQ loss, nan,
-    counts as not assessable and is left out of the median). Also `pooled`: the recovery of the
-    seeds' mean losses, (mean PTQ loss - mean QAT loss) / mean PTQ loss, steadier than a ratio of
-    one seed's small differences."""
-    recs = {s: r["recovery_vs_control"] for s, r in per_seed.items()}
+def aggregate(per_seed: dict[int, dict], goal: float = GOAL, distill: bool = False) -> dict:
+    """Per-seed recoveries (against the control; with `distill` against the float model's RTN)
+    -> their median, minimum and the verdict: met on every seed, met by the median only, or not
+    met (a seed without a measurable PTQ loss, nan, counts as not assessable and is left out of
+    the median). Also `pooled`: the recovery of the seeds' mean losses, (mean PTQ loss - mean QAT
+    loss) / mean PTQ loss, steadier than a ratio of one seed's small differences."""
+    recs = {s: r["recovery_vs_rtn" if distill else "recovery_vs_control"] for s, r in per_seed.items()}
     mean = statistics.fmean
-    pooled = recovery(mean(r["control_rtn_inc"] - r["control_inc"] for r in per_seed.values()),
-                      mean(r["qat_inc"] - r["control_inc"] for r in per_seed.values()))
+    def base(r: dict) -> float:  # the reference the increases are measured from
+        return 0.0 if distill else r["control_inc"]
+
+    ptq_key = "rtn_inc" if distill else "control_rtn_inc"
+    pooled = recovery(mean(r[ptq_key] - base(r) for r in per_seed.values()),
+                      mean(r["qat_inc"] - base(r) for r in per_seed.values()))
     vals = [v for v in recs.values() if v == v]
     if not vals:
         return {"per_seed": recs, "median": float("nan"), "min": float("nan"), "pooled": pooled,
@@ -162,6 +172,30 @@ def seed_run(seed: int, sub: Path, ckpt: Path, ptq: dict, row: Scorer, tok, tok_
     return out
 
 
+def distill_seed_run(seed: int, sub: Path, ckpt: Path, ptq: dict, row: Scorer, tok, tok_dir: Path, text: Path,
+                     args) -> dict:
+    """`--distill`: QAT toward the float model for one seed, no control: {head bits: increases
+    over the float model and recoveries against its RTN / GPTQ}."""
+    sd = sub / f"seed{seed}"
+    sd.mkdir(parents=True, exist_ok=True)
+    f, out = ptq["float"], {}
+    kd = ["Compress.Quantization.distill=True", f"Engine.distill.alpha={args.alpha}",
+          f"Engine.distill.temperature={args.temperature}"]
+    for hb in args.head_bits:
+        qdir = finetune(sd, tok, tok_dir, ckpt, args, seed, f"kdqat_int4_g64_head{hb}", [*qat_keys(hb), *kd])
+        conv = quantize(qdir, sd / f"kdqat_int4_g64_head{hb}_int4", ["--weights", "int4"], args)
+        q = row(f"KD-QAT int4 g64, head {hb} (converted)", conv, sd, f"seed {seed}: ")
+        rtn, gptq = ptq[hb]["rtn"] - f, ptq[hb]["gptq"] - f
+        out[hb] = {"qat_inc": q - f, "rtn_inc": rtn, "gptq_inc": gptq, "recovery_vs_rtn": recovery(rtn, q - f),
+                   "recovery_vs_gptq": recovery(gptq, q - f), "logits_gap": logits_gap(qdir, conv, tok, text)}
+        s = out[hb]
+        print(f"seed {seed}, head {hb}: KD-QAT {s['qat_inc']:+.4f} over float (RTN {rtn:+.4f}, GPTQ {gptq:+.4f}): "
+              f"recovers {100 * s['recovery_vs_rtn']:.0f}% of RTN's increase, "
+              f"{100 * s['recovery_vs_gptq']:.0f}% of GPTQ's; fake-quant vs converted logits max |diff| fp32 "
+              f"{s['logits_gap']['fp32']:.1e}, auto {s['logits_gap']['auto']:.1e}", flush=True)
+    return out
+
+
 def ptq_rows(work: Path, ckpt: Path, row: Scorer, args) -> dict:
     """The float model's score and its int4 g64 RTN / GPTQ per head width (shared by every run
     with other QAT settings)."""
@@ -190,6 +224,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--samples", type=int, default=64, help="GPTQ calibration windows")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--distill", action="store_true",
+                    help="QAT toward the float model (Compress.Quantization.distill); recovery against the float "
+                         "model's RTN / GPTQ, no control")
+    ap.add_argument("--alpha", type=float, default=1.0, help="--distill: Engine.distill.alpha (1: KL only)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="--distill: Engine.distill.temperature")
     ap.add_argument("--out", help="write the results (JSON) here too")
     ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
     args = ap.parse_args(argv)
@@ -203,15 +242,17 @@ def report(args, per_seed: dict, ptq: dict, t_start: float) -> dict:
     print(f"\nmachine: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cores, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, torch {torch.__version__}, threads "
           f"{torch.get_num_threads()}; total {time.perf_counter() - t_start:.0f}s")
-    print(f"QAT / control: {args.qat_steps} steps, batch {args.batch} x {args.seq}, lr {args.lr:g} cosine to "
-          f"{args.lr / 10:g}, no warmup, weight decay 0; seeds {' '.join(map(str, args.seeds))}")
+    kd = (f"distillation from the float model (alpha {args.alpha:g}, temperature {args.temperature:g}), no control"
+          if args.distill else "LM loss; the control the same")
+    print(f"QAT: {args.qat_steps} steps, batch {args.batch} x {args.seq}, lr {args.lr:g} cosine to "
+          f"{args.lr / 10:g}, no warmup, weight decay 0, {kd}; seeds {' '.join(map(str, args.seeds))}")
     summary = {}
     for hb in args.head_bits:
-        agg = aggregate({s: r[hb] for s, r in per_seed.items()})
+        agg = aggregate({s: r[hb] for s, r in per_seed.items()}, distill=args.distill)
         summary[hb] = agg
         f = ptq["float"]
         print(f"head {hb}: float model's RTN {ptq[hb]['rtn'] - f:+.4f}, GPTQ {ptq[hb]['gptq'] - f:+.4f}; recovery "
-              f"against the control per seed "
+              f"against {'the float model' + chr(39) + 's RTN' if args.distill else 'the control'} per seed "
               f"{', '.join(f'{s}: {100 * v:.0f}%' for s, v in agg['per_seed'].items())}; median "
               f"{100 * agg['median']:.0f}%, min {100 * agg['min']:.0f}%, pooled {100 * agg['pooled']:.0f}% (goal >= {100 * GOAL:.0f}%: {agg['verdict']})")
     return summary
@@ -231,7 +272,10 @@ def main(argv=None) -> None:
     row = Scorer(text, args.seq)
     ptq = ptq_rows(work, ckpt, row, args)
     sub = work / f"qat4_p{args.steps}_s{args.qat_steps}_lr{args.lr:g}"
-    per_seed = {s: seed_run(s, sub, ckpt, ptq, row, tok, tok_dir, text, args) for s in args.seeds}
+    if args.distill:
+        sub = sub.with_name(f"{sub.name}_kd_a{args.alpha:g}_T{args.temperature:g}")
+    run = distill_seed_run if args.distill else seed_run
+    per_seed = {s: run(s, sub, ckpt, ptq, row, tok, tok_dir, text, args) for s in args.seeds}
     summary = report(args, per_seed, ptq, t_start)
     rec = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args),
            "heldout_chars": len(text.read_text()), "rows": row.rows, "ptq": ptq, "per_seed": per_seed,

@@ -60,6 +60,16 @@ def test_pooled_recovery_is_that_of_the_mean_losses(q4):
     assert agg["median"] == pytest.approx(0.0031 / 0.0042) and agg["min"] == pytest.approx(0.0009 / 0.0029)
 
 
+def test_distill_recovery_is_against_the_float_models_own_ptq(q4):
+    # --distill: no control; the increases are over the float model, whose RTN costs 0.003 here
+    per = {s: {"recovery_vs_rtn": q4.recovery(0.003, qat), "rtn_inc": 0.003, "qat_inc": qat, "control_inc": 9.0}
+           for s, qat in enumerate([0.0003, 0.0, 0.0006])}
+    agg = q4.aggregate(per, distill=True)
+    assert agg["median"] == pytest.approx(0.9) and agg["min"] == pytest.approx(0.8)
+    assert agg["verdict"] == "median met (min 80%)"
+    assert agg["pooled"] == pytest.approx((0.003 - 0.0003) / 0.003)  # the mean QAT increase is 0.0003
+
+
 def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -86,3 +96,22 @@ def test_quick_run_with_two_seeds(q4, tmp_path, monkeypatch, capsys):
     again = json.loads(out.read_text())
     assert _same(again["per_seed"]["2"]["4"]["recovery_vs_control"], per["2"]["recovery_vs_control"])
     assert "steps in" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_quick_distill_run(q4, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPTFORGE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "kd.json"
+    q4.main(["--quick", "--distill", "--work", str(tmp_path / "work"), "--seeds", "3", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    s = rec["per_seed"]["3"]["4"]
+    assert not any("control" in name for name in rec["rows"])  # the float model is the baseline
+    f = rec["ptq"]["float"]
+    assert s["rtn_inc"] == pytest.approx(rec["ptq"]["4"]["rtn"] - f)
+    assert _same(s["recovery_vs_rtn"], q4.recovery(s["rtn_inc"], s["qat_inc"]))
+    assert _same(rec["summary"]["4"]["per_seed"]["3"], s["recovery_vs_rtn"])
+    assert s["logits_gap"]["fp32"] < 1e-4 * max(1.0, s["logits_gap"]["logit_absmax"])
+    cfg = json.loads(json.dumps(rec["args"]))
+    assert cfg["distill"] and cfg["alpha"] == 1.0
+    assert "KD-QAT int4 g64, head 4" in capsys.readouterr().out

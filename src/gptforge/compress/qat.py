@@ -6,11 +6,17 @@ resumed weights → precision → AdamW over the trainable parameters (PACT alph
 group with `lr_mult = pact_lr_mult`; frozen embeddings left out). Checkpoints are ordinary
 training checkpoints whose config carries `Compress.Quantization.enable: true`, so
 `load_model` rebuilds the fake-quant model and `gptforge eval --ckpt` evaluates it.
+
+`Compress.Quantization.distill`: the loss is `Engine.distill`'s (KL to a frozen teacher, mixed
+with the cross-entropy by its alpha) and the teacher is the model the run starts from
+(`distill_from_start`), the standard remedy when fine-tuning an under-trained model with the
+LM loss moves it more than the rounding does (LLM-QAT, EfficientQAT).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from torch import nn
 
@@ -57,6 +63,10 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
         elif raw_q.get("enable"):
             _notice(f"Compress.pretrained {source} is a fake-quant model: its float weights are used and the "
                     "activation scales start afresh", echo)
+    if q.distill:
+        distill_from_start(cfg, None if start.resume is not None else source)
+        d = cfg.Engine.distill
+        _notice(f"distilling from {d.teacher} (Engine.distill.alpha {d.alpha:g}, temperature {d.temperature:g})", echo)
     shape = checkpoint_model_config(source, fallback=cfg.Model)
     for k in ARCH_KEYS:
         setattr(cfg.Model, k, getattr(shape, k))
@@ -69,3 +79,27 @@ def qat(cfg: Config, tokenizer=None, *, resume=None, progress: bool | None = Non
 
     return pretrain(cfg, tokenizer=tokenizer, transform=transform, start=start, progress=progress, echo=echo,
                     verb="qat")
+
+
+def distill_from_start(cfg: Config, start_weights: Path | None) -> None:
+    """`Compress.Quantization.distill`: `Engine.distill.teacher` becomes the model the run starts
+    from, `start_weights` (`Compress.pretrained` resolved: a run directory's newest step), as an
+    absolute path. The saved config records it, so a resumed run (`start_weights` None) loads
+    the same teacher even if `Compress.pretrained` names a run directory that has grown since."""
+    from gptforge.model_io import resolve_checkpoint_path
+    from gptforge.train.distill import check_distill
+
+    d = cfg.Engine.distill
+    key = "Compress.Quantization.distill"
+    if start_weights is None:
+        if not d.teacher:
+            raise ConfigError(f"{key}: the checkpoint being resumed was trained without distillation (its "
+                              f"Engine.distill.teacher is unset); resume it with {key}=false, or start a new run")
+        check_distill(cfg)
+        return
+    teacher = Path(start_weights).resolve()
+    if d.teacher and resolve_checkpoint_path(d.teacher).resolve() != teacher:
+        raise ConfigError(f"Engine.distill.teacher: {d.teacher} is not the model the run starts from ({teacher}); "
+                          f"with {key} the teacher is Compress.pretrained: leave Engine.distill.teacher unset")
+    d.teacher = str(teacher)
+    check_distill(cfg)  # alpha, temperature, parallelism: one line before any work
