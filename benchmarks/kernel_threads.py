@@ -17,27 +17,22 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
+from int8_speed import _median_ms, cpu_name  # noqa: E402 - the shared CPU line and timing loop
 
 SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072), (50304, 768))
 
 
 def _per_call(fn, calls: int) -> float:
+    """Median microseconds per call, after warming the caches."""
     for _ in range(10):
         fn()
-    ts = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return _median_ms(fn, calls) * 1e3
 
 
 def _variants(n: int, k: int):
