@@ -184,7 +184,6 @@ GF_AVX2 inline void row_block(const Q8Problem& p, int64_t n) {
   const int8_t* xb = p.xq;
   const float* db = p.d;
   const float* sp = p.scale + n * p.G;
-  const int8_t* zp = p.zero ? p.zero + n * p.G : nullptr;
   for (int64_t gi = 0; gi < p.G; ++gi) {
     __m256 acc[R][M];
     for (int r = 0; r < R; ++r)
@@ -210,7 +209,7 @@ GF_AVX2 inline void row_block(const Q8Problem& p, int64_t n) {
     }
     for (int r = 0; r < R; ++r) {
       const float s = sp[r * p.G + gi];
-      const float so = s * static_cast<float>((zp ? zp[r * p.G + gi] : 0) + (BITS == 4 ? 8 : 0));
+      const float so = s * static_cast<float>(offset(p, n + r, gi));
       for (int m = 0; m < M; ++m) {
         tot[r][m] = _mm256_fmadd_ps(acc[r][m], _mm256_set1_ps(s), tot[r][m]);
         corr[r][m] += so * p.gcorr[m * p.G + gi];
