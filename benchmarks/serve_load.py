@@ -194,7 +194,9 @@ def per_client(clients: int) -> int:
 
 
 def run_all(args) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+    # src first, then any PYTHONPATH the caller set (packages installed beside the interpreter's own)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
     levels = [int(x) for x in args.clients.split(",")]
     rows, checks = [], {}
@@ -203,7 +205,7 @@ def run_all(args) -> str:
         tmp = Path(d)
         ours, hf = make_models(tmp)
         py = sys.executable
-        tf_bin = str(Path(py).with_name("transformers"))
+        tf_cli = [py, "-m", "transformers.cli.transformers"]  # the `transformers` script's own entry
         setups = [
             ("gptforge serve", [py, "-m", "gptforge", "serve", "--ckpt", str(ours), "--max-batch-size", "64",
                                 "--max-queue", "1024", "--log-level", "warning"], "gpt2-124m", levels),
@@ -211,7 +213,7 @@ def run_all(args) -> str:
                                                        "--max-batch-size", "1", "--max-queue", "1024",
                                                        "--log-level", "warning"], "gpt2-124m",
              [x for x in levels if x in (1, 16)]),
-            ("transformers serve --continuous-batching", [tf_bin, "serve", str(hf), "--continuous-batching",
+            ("transformers serve --continuous-batching", [*tf_cli, "serve", str(hf), "--continuous-batching",
                                                           "--device", "cpu", "--dtype", "float32"], str(hf), levels),
         ]
         if args.int8:

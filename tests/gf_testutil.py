@@ -66,3 +66,42 @@ def packed_rows_invariant(model) -> bool:
     shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear}
     shapes.add(tuple(model.wte.weight.shape))
     return not any(differing(n, k) for n, k in shapes)
+
+
+def chosen_kernels(model, rows: int) -> set[str]:
+    """The kernels a weight-only model's layers take for a batch of `rows` float32 rows on this CPU
+    (`auto` picks `bf16` beyond the native rows where oneDNN has native bf16, `fp32` elsewhere)."""
+    import torch
+
+    from gptforge.transforms.weight_only import weight_only_layers
+
+    return {layer.kernel_for(torch.zeros(rows, layer.in_features)) for _, layer in weight_only_layers(model)}
+
+
+# bf16 rounds every activation and weight to 8 significant bits (relative 2^-9) before an fp32
+# accumulation: logits move by about that fraction of their norm, never more than 1%
+BF16_REL_NORM = 1e-2
+
+
+def assert_close_for_kernels(got, ref, kernels: set[str], tol: float) -> None:
+    """`got` equals `ref` within `tol` where every layer computes in fp32 (`fp32`, `native`, `packed`),
+    within bf16's rounding (relative norm `BF16_REL_NORM`) where some layer runs in bf16."""
+    import torch
+
+    if "bf16" in kernels:
+        rel = float((got - ref).norm() / ref.norm())
+        assert rel < BF16_REL_NORM, (kernels, rel)
+    else:
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def assert_equal_if_invariant(got, ref, invariant: bool, tol: float = 1e-4) -> None:
+    """Bit-equal where oneDNN's packed rows are batch-invariant on this CPU (`packed_rows_invariant`);
+    elsewhere (a Xeon with AMX under torch 2.11: benchmarks/results/2026-11-26-avx512-check.md) the
+    same values within `tol`: a sequence's numbers then move in their last bits with its batch."""
+    import torch
+
+    if invariant:
+        assert torch.equal(got, ref), float((got - ref).abs().max())
+    else:
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

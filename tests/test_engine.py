@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gf_testutil import tiny_model
+from gf_testutil import assert_equal_if_invariant, packed_rows_invariant, tiny_model
 from gptforge.config.schema import GenerationConfig
 from gptforge.generate import generate_ids
 from test_generate import _spread
@@ -29,16 +29,18 @@ def model():
                      num_return_sequences=2),
 ], ids=["greedy", "sampling"])
 def test_continuous_batching_equals_each_prompt_alone(model, cfg):
+    invariant = packed_rows_invariant(model)  # bit for bit where this CPU's oneDNN allows it
     full = generate_ids(model, PROMPTS, cfg)
     n = cfg.num_return_sequences
     for bs in (1, 2):
         part = generate_ids(model, PROMPTS, cfg, batch_size=bs)
-        assert torch.equal(part.tokens, full.tokens) and torch.equal(part.scores, full.scores)
+        assert torch.equal(part.tokens, full.tokens)
+        assert_equal_if_invariant(part.scores, full.scores, invariant)
     for i, p in enumerate(PROMPTS):
         alone = generate_ids(model, [p], cfg)
         w = alone.tokens.shape[1]
         assert torch.equal(alone.tokens, full.tokens[i * n:(i + 1) * n, :w])
-        assert torch.equal(alone.scores, full.scores[i * n:(i + 1) * n])
+        assert_equal_if_invariant(alone.scores, full.scores[i * n:(i + 1) * n], invariant)
 
 
 def test_a_failure_reaches_the_offline_caller(model):

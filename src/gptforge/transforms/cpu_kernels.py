@@ -190,7 +190,9 @@ def one_linear_qdq_graph(w_int: np.ndarray, w_step: np.ndarray, x_step: float, d
              helper.make_node("MatMul", ["xd", "wd"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["r", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r", n])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    # IR 8 is opset 18's own: an `onnx` newer than the installed onnxruntime would otherwise stamp an
+    # IR version the runtime refuses (onnx 1.23 writes 14; onnxruntime 1.30 reads up to 13)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8).SerializeToString()
 
 
 # ----------------------------------------------------------------------- path choice
