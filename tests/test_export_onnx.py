@@ -246,3 +246,15 @@ def test_check_verdicts():
     verdict({"argmax_agreement": 0.92, "fp64_agreement": {"export": 0.91, "pytorch": 0.93}}, "int8")
     with pytest.raises(CheckpointError, match="the export agrees on 85.0%, PyTorch on 93.0%"):
         verdict({"argmax_agreement": 0.9, "fp64_agreement": {"export": 0.85, "pytorch": 0.93}}, "int8")
+
+
+def test_the_probe_graph_runs_on_an_onnxruntime_older_than_onnx():
+    """The one-Linear probe states opset 18's IR version (8), not the installed `onnx`'s newest: onnx
+    1.23 writes IR 14, which onnxruntime 1.30 refuses (seen on a lent machine: `describe()` raised)."""
+    import onnx
+
+    from gptforge.transforms.cpu_kernels import one_linear_qdq_graph
+
+    model = onnx.load_from_string(one_linear_qdq_graph(np.ones((4, 2), np.int8), np.ones(2, np.float32), 1.0, "int8"))
+    assert model.ir_version == 8 and model.opset_import[0].version == 18
+    onnx.checker.check_model(model)
