@@ -138,6 +138,7 @@ inline VF vset1(float a) { return _mm256_set1_ps(a); }
 inline VF vload(const float* x) { return _mm256_loadu_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline float vsum(VF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -174,6 +175,7 @@ inline VF vset1(float a) { return _mm512_set1_ps(a); }
 inline VF vload(const float* x) { return _mm512_loadu_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
 inline VF wi8(const uint8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
