@@ -27,10 +27,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # (bits, group size, symmetric, in, out): per row, grouped, odd widths (vector tails), groups
-# that are not a multiple of the vector block, tiny layers.
+# that are not a multiple of the vector block, tiny layers; and rows of 25 / 33 groups, whose
+# offsets' share is summed 8 or 16 groups per vector with a tail of single groups.
 FORMATS = [(8, 0, True, 96, 40), (8, 32, False, 96, 40), (8, 24, True, 72, 9), (8, 0, True, 37, 5),
            (4, 32, True, 128, 33), (4, 64, False, 128, 16), (4, 0, True, 70, 11), (4, 6, False, 30, 7),
-           (4, 48, True, 96, 3)]
+           (4, 48, True, 96, 3), (4, 32, False, 800, 9), (4, 32, True, 800, 6), (8, 32, False, 1056, 7)]
 
 
 @pytest.mark.parametrize("path", ISA_ORDER)
