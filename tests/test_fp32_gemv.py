@@ -1,7 +1,8 @@
 """The one-row fp32 GEMV (`csrc/fp32_gemv.cpp`, `transforms/fp32_gemv.py`) against the reference it
 must reproduce bit for bit: PyTorch's oneDNN packed Linear in the batch-invariant small-batch
 layout the decode backend uses (`generate/backend.py`), on every instruction-set path this CPU
-runs, and the backend's routing of one-row products through it (issue #32)."""
+runs, and the backend's routing of one-row products through it (issue #32). The several-rows
+kernel (`fp32_rows`) gives each row the GEMV's bits whatever rows share it, by construction."""
 
 from __future__ import annotations
 
@@ -52,6 +53,56 @@ def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
             # (results/2026-11-26-avx512-check.md), where serving stays correct but not bit-equal.
             pytest.skip(f"oneDNN's packed kernel is not batch-invariant for {n}x{k} on this CPU")
         assert all(torch.equal(native_kernels.fp32_gemv(xs[i:i + 1], wb, b, n, path)[0], rows[i]) for i in range(5))
+    finally:
+        torch.set_num_threads(saved)
+
+
+# Rows: one, the register tiles' sizes and their remainders (AVX2 3, AVX-512 6), many. K: under
+# one sub-chunk of 128, across sub-chunks, across the 1024-chunks, a ragged last chunk.
+ROWS = [2, 3, 4, 5, 7, 8, 13, 64]
+ROW_SHAPES = [(100, 64), (64, 130), (65, 768), (7, 1025), (130, 2500)]
+
+
+@pytest.mark.parametrize("path", ISA_ORDER)
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_rows_are_each_the_gemv_s_bits_whatever_shares_them(built, path, n, k, bias):
+    skip_unless_runs(path, built)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    wb = fp32_gemv.block_weight(w)
+    xs = torch.randn(max(ROWS), k, generator=g) * torch.logspace(-2, 2, max(ROWS))[:, None]
+    alone = torch.cat([native_kernels.fp32_gemv(xs[i:i + 1], wb, b, n, path) for i in range(max(ROWS))])
+    ref = xs.double() @ w.double().T + (b.double() if bias else 0)
+    bound = 1e-5 * ref.abs() + 2e-6 * (xs.double().abs() @ w.double().abs().T) + 1e-7
+    assert bool(((alone.double() - ref).abs() <= bound).all())  # the product, within fp32 rounding
+    for r in ROWS:
+        for start in (0, max(ROWS) - r):  # the same rows at other offsets of the batch
+            y = native_kernels.fp32_rows(xs[start:start + r], wb, b, n, path)
+            assert y.shape == (r, n) and torch.equal(y, alone[start:start + r]), (r, start)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_equal_the_packed_kernel_where_it_is_batch_invariant(built, threads):
+    """Where the one-row check passes and oneDNN's rows do not depend on the batch (the AVX2 machines
+    measured), the rows kernel gives oneDNN's bits at any row count: the backend can mix them."""
+    if not fp32_gemv.available():
+        pytest.skip("no vector path on this CPU")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(2304, 768), (768, 3072), (300, 1100)]:
+            w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+            p, wb = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS), fp32_gemv.block_weight(w)
+            if not fp32_gemv.matches_packed(wb, p, b, n, k):
+                pytest.skip(f"oneDNN's packed kernel sums {n}x{k} in another order on this CPU")
+            for r in (2, 9, 43, 130):
+                x = torch.randn(r, k)
+                ref = _packed(x, p, b)
+                if not torch.equal(ref[:1], _packed(x[:1], p, b)):
+                    pytest.skip(f"oneDNN's packed kernel is not batch-invariant for {n}x{k} on this CPU")
+                assert torch.equal(native_kernels.fp32_rows(x, wb, b, n), ref), (n, k, r)
     finally:
         torch.set_num_threads(saved)
 
@@ -112,6 +163,31 @@ def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypat
     slow, (head, linears) = _decode(model)
     assert not head and linears == 0
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(built, monkeypatch):
+    """Several rows (a batched prefill, a ragged step) take `fp32_rows` in layers whose check passed:
+    the same logits as the packed kernel (ISA off) wherever that kernel is batch-invariant, and the
+    rows kernel really runs."""
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    if not fp32_gemv.available() or _matching(model) == (False, 0):
+        pytest.skip("nothing routed on this CPU")
+    calls = []
+    real = native_kernels.fp32_rows
+    monkeypatch.setattr(native_kernels, "fp32_rows", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    ids = torch.randint(0, 1000, (3, 9))
+    with TorchBackend(model) as be:
+        fast = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))
+    release_packed(model)
+    assert calls and max(calls) == 27  # 3 prompts x 9 tokens through the blocks
+    monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    with TorchBackend(model) as be:
+        slow = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))
+    release_packed(model)
+    from gf_testutil import assert_equal_if_invariant, packed_rows_invariant
+
+    assert_equal_if_invariant(fast, slow, packed_rows_invariant(model), tol=1e-5)
 
 
 def test_a_failed_check_keeps_the_packed_kernel(built, monkeypatch):

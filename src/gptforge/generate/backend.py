@@ -176,13 +176,24 @@ def release_packed(model: nn.Module) -> None:
 
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, gemv=None) -> torch.Tensor:
-    """`gemv`: (64-output blocks, ISA path) for one-row inputs, or None (`gemv_weight`)."""
+    """`gemv`: (64-output blocks, ISA path) where the layer's order check passed (`gemv_weight`),
+    else None: then oneDNN's packed kernel."""
     if x.dtype == torch.float32 and not x.requires_grad:
-        # Under autograd oneDNN's op takes another path (other bits): the GEMV only where it was checked.
-        if gemv is not None and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
-            return native_kernels.fp32_gemv(x, gemv[0], module.bias, module.out_features, gemv[1])
+        # Under autograd oneDNN's op takes another path (other bits): ours only where it was checked.
+        if gemv is not None and not torch.is_grad_enabled():
+            return _checked_order(x, gemv, module.bias, module.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
+
+
+def _checked_order(x: torch.Tensor, gemv: tuple, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x · Wᵀ (+ bias) in the packed kernel's summation order: the GEMV for one row, else the same
+    chains for every row with the rows sharing each weight load (1.1-1.5x oneDNN's packed kernel
+    at 2-128 rows on AMD EPYC, the same bits: benchmarks/results/2026-11-26-fp32-rows.md)."""
+    if x.numel() == x.shape[-1]:
+        return native_kernels.fp32_gemv(x, gemv[0], bias, n, gemv[1])
+    y = native_kernels.fp32_rows(x.reshape(-1, x.shape[-1]), gemv[0], bias, n, gemv[1])
+    return y.view(*x.shape[:-1], n)
 
 
 def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +249,7 @@ class TorchBackend:
                         and _packed_linear_available())
         self._patched: list[nn.Linear] = []
         self._head: torch.Tensor | None = None
-        self._head_gemv: tuple | None = None  # (64-output blocks, ISA path): one-row logits
+        self._head_gemv: tuple | None = None  # (64-output blocks, ISA path): logits in the checked order
         self._was_training = False
         self._open = False
         self._packed_rows = 0  # 0: not packed (yet)
@@ -334,8 +345,8 @@ class TorchBackend:
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of final hidden states [R, hidden]."""
-        if self._head_gemv is not None and h.shape[0] == 1:
-            logits = native_kernels.fp32_gemv(h, self._head_gemv[0], None, self.vocab_size, self._head_gemv[1])
+        if self._head_gemv is not None and not torch.is_grad_enabled():
+            logits = _checked_order(h, self._head_gemv, None, self.vocab_size)
         elif self._head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(h, self._head, None, "none", [], "")
         else:

@@ -226,3 +226,9 @@ def fp32_gemv(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: i
     `transforms/fp32_gemv.block_weight`), plus bias: x's shape with n outputs, summed in the batch-invariant
     packed kernel's order (csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
     return getattr(torch.ops, _LIB).fp32_gemv(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
+
+
+def fp32_rows(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: int, path: str | None = None) -> torch.Tensor:
+    """`fp32_gemv` for x [rows, K]: [rows, n], each row's bits those `fp32_gemv` gives it alone (the
+    rows share each weight block's loads; csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
+    return getattr(torch.ops, _LIB).fp32_rows(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
