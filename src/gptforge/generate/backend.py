@@ -188,8 +188,8 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, ge
 
 def _checked_order(x: torch.Tensor, gemv: tuple, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x · Wᵀ (+ bias) in the packed kernel's summation order: the GEMV for one row, else the same
-    chains for every row with the rows sharing each weight load (1.1-1.5x oneDNN's packed kernel
-    at 2-128 rows on AMD EPYC, the same bits: benchmarks/results/2026-11-26-fp32-rows.md)."""
+    chains for every row with the rows sharing each weight load (0.96-1.9x oneDNN's packed kernel on
+    the blocks' shapes at 1-128 rows on AMD EPYC, the same bits: results/2026-11-26-fp32-rows.md)."""
     if x.numel() == x.shape[-1]:
         return native_kernels.fp32_gemv(x, gemv[0], bias, n, gemv[1])
     y = native_kernels.fp32_rows(x.reshape(-1, x.shape[-1]), gemv[0], bias, n, gemv[1])
@@ -249,7 +249,7 @@ class TorchBackend:
                         and _packed_linear_available())
         self._patched: list[nn.Linear] = []
         self._head: torch.Tensor | None = None
-        self._head_gemv: tuple | None = None  # (64-output blocks, ISA path): logits in the checked order
+        self._head_gemv: tuple | None = None  # (64-output blocks, ISA path): one-row logits
         self._was_training = False
         self._open = False
         self._packed_rows = 0  # 0: not packed (yet)
@@ -345,8 +345,10 @@ class TorchBackend:
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of final hidden states [R, hidden]."""
-        if self._head_gemv is not None and not torch.is_grad_enabled():
-            logits = _checked_order(h, self._head_gemv, None, self.vocab_size)
+        # The head's several-row products stay on oneDNN: fp32_rows measured 0.89-1.11x there (it
+        # streams 154 MB of weights per call), 1.0-1.9x on the blocks' shapes (results/2026-11-26-fp32-rows.md).
+        if self._head_gemv is not None and h.shape[0] == 1:
+            logits = native_kernels.fp32_gemv(h, self._head_gemv[0], None, self.vocab_size, self._head_gemv[1])
         elif self._head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(h, self._head, None, "none", [], "")
         else:
