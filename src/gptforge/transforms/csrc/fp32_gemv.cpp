@@ -194,6 +194,26 @@ void block_rows(const float* w, const float* x, int64_t K, int64_t rows, float* 
   }
 }
 
+// Both entry points' checks of the block weights, N, the bias and the path: (blocks, K, bias or null).
+struct Blocks {
+  int64_t NB, K;
+  const float* bias;
+};
+
+Blocks checked_blocks(const at::Tensor& wb, const c10::optional<at::Tensor>& bias, int64_t N, int64_t isa) {
+  TORCH_CHECK(wb.dim() == 3 && wb.size(2) == kBlock && wb.scalar_type() == at::kFloat && wb.is_contiguous(),
+              "wb: contiguous fp32 [blocks, K, 64]");
+  const int64_t NB = wb.size(0), K = wb.size(1);
+  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == NB, "N ", N, " does not match ", NB, " blocks");
+  TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  return {NB, K, bp};
+}
+
 }  // namespace
 
 // The entry point (kernels.h: the fused decode step calls it directly).
@@ -202,18 +222,11 @@ namespace gptforge_wo {
 // x: fp32 with K elements (any shape whose last dim is K and one row); wb: [ceil(N/64), K, 64].
 at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N,
                      int64_t isa) {
-  TORCH_CHECK(wb.dim() == 3 && wb.size(2) == kBlock && wb.scalar_type() == at::kFloat && wb.is_contiguous(),
-              "wb: contiguous fp32 [blocks, K, 64]");
-  const int64_t NB = wb.size(0), K = wb.size(1);
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == NB, "N ", N, " does not match ", NB, " blocks");
+  const Blocks b = checked_blocks(wb, bias, N, isa);
+  const int64_t NB = b.NB, K = b.K;
+  const float* bp = b.bias;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == K && x.size(-1) == K,
               "x: one contiguous fp32 row of ", K);
-  TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
-    bp = bias->data_ptr<float>();
-  }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor out = at::empty(sizes, x.options());
@@ -237,18 +250,11 @@ at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optio
 // x: [R, K] fp32 rows; the result [R, N] equals fp32_gemv on each row, bit for bit.
 at::Tensor fp32_rows(const at::Tensor& wb, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N,
                      int64_t isa) {
-  TORCH_CHECK(wb.dim() == 3 && wb.size(2) == kBlock && wb.scalar_type() == at::kFloat && wb.is_contiguous(),
-              "wb: contiguous fp32 [blocks, K, 64]");
-  const int64_t NB = wb.size(0), K = wb.size(1);
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == NB, "N ", N, " does not match ", NB, " blocks");
+  const Blocks b = checked_blocks(wb, bias, N, isa);
+  const int64_t NB = b.NB, K = b.K;
+  const float* bp = b.bias;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
               "x: contiguous fp32 [rows, ", K, "]");
-  TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
-    bp = bias->data_ptr<float>();
-  }
   const int64_t R = x.size(0);
   at::Tensor out = at::empty({R, N}, x.options());
   if (R == 0) return out;
