@@ -207,7 +207,7 @@ def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.
 
 
 def _gemv(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, bias, path: str | None) -> tuple | None:
-    """The one-row GEMV's (blocks, path) for a layer, or None: no native path, or not exact here."""
+    """(blocks, path) of the GEMV / fp32_rows for a layer, or None: no native path, or not exact here."""
     if path is None:
         return None
     wb = gemv_weight(module, weight, packed, bias, path)

@@ -6,7 +6,9 @@ row that kernel is ~40% slower than a GEMV. It sums each output in a fixed order
 of 1024, each a sequential FMA chain from zero, chunk sums in order, bias last), which
 `csrc/fp32_gemv.cpp` reproduces over weights stored in blocks of 64 outputs. Whether the bits
 really match is checked on this CPU, per layer, by `matches_packed` before the backend routes a
-layer's one-row products here: a oneDNN build with another order keeps the packed kernel.
+layer's one-row products here: a oneDNN build with another order keeps the packed kernel. The
+same blocks serve `native_kernels.fp32_rows` (several rows in the same order, each row the
+GEMV's bits by construction), which the backend uses for such a layer's several-row products.
 """
 
 from __future__ import annotations
