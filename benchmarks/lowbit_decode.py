@@ -211,7 +211,8 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
         path = tmp / f"{preset}_{t}.gguf"
         r = save_gguf(model, path, tok, t, model_cfg=cfg.Model)
         llm = llama_cpp.Llama(str(path), n_ctx=args.prompt + args.new_tokens + 8, n_batch=args.prompt,
-                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
+                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0,
+                              use_mmap=not args.llama_no_mmap)
         engines[f"llama.cpp {t}"] = (llm, r.bytes)
     if args.compare_fused:  # each engine the fused step applies to again with the Python step, same rounds
         engines = {k2: v for k, v in engines.items() for k2 in _with_twin(k)}
@@ -277,6 +278,8 @@ def main() -> int:
                     help="time every gptforge engine also with GPTFORGE_FUSED_DECODE=off (the Python step), "
                     "interleaved in the same rounds")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
+    ap.add_argument("--llama-no-mmap", action="store_true",
+                    help="llama.cpp reads its GGUF into memory instead of mapping it (sandboxes whose mmap it trips on)")
     ap.add_argument("--wo-kernels", nargs="*", default=["native", "native-q8a", "before"],
                     choices=["native", "native-q8a", "before"],
                     help="weight-only kernels to run (none: no weight-only models)")

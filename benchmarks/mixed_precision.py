@@ -142,6 +142,7 @@ def parse_args():
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary learned on the corpus (default 4096)")
     ap.add_argument("--samples", type=int, default=64, help="calibration windows (analysis and GPTQ)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
     ap.add_argument("--log", action="store_true", help="print the training run's log lines")
     ap.add_argument("--out", help="write the results (JSON) here too, after every variant")
     return ap.parse_args()

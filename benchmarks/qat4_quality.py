@@ -229,6 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "model's RTN / GPTQ, no control")
     ap.add_argument("--alpha", type=float, default=1.0, help="--distill: Engine.distill.alpha (1: KL only)")
     ap.add_argument("--temperature", type=float, default=1.0, help="--distill: Engine.distill.temperature")
+    ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
     ap.add_argument("--out", help="write the results (JSON) here too")
     ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
     args = ap.parse_args(argv)

@@ -79,7 +79,7 @@ def tokenizer(work: Path, vocab_size: int = 4096):
 
 
 def overrides(tok_dir: Path, args, out: Path, steps: int, lr: float, min_lr: float, warmup: float) -> list[str]:
-    return [*SHAPE, "Global.device=cpu", f"Global.global_batch_size={args.batch}",
+    return [*SHAPE, f"Global.device={getattr(args, 'device', 'cpu')}", f"Global.global_batch_size={args.batch}",
             f"Global.micro_batch_size={args.batch}", "Engine.mix_precision.enable=False", "Engine.eval_freq=0",
             "Engine.logging_freq=50", "Engine.save_load.save_steps=-1", f"Engine.save_load.output_dir={out}",
             f"Engine.max_steps={steps}", f"Optimizer.lr.max_lr={lr}", f"Optimizer.lr.min_lr={min_lr}",
