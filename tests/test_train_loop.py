@@ -417,3 +417,23 @@ def test_a_checkpoints_time_limits_are_not_inherited():
     assert not {"max_time", "fit_to_max_time", "fit_max_steps"} & set(e)
     e = merge_layers(None, ["Engine.max_time=30"], ck)["Engine"]
     assert e["max_time"] == 30  # the new run's own limit
+
+
+def test_a_checkpoint_trained_on_cuda_runs_on_a_machine_without_one(monkeypatch, capsys):
+    """A model directory records Global.device of the run that trained it; where there is no CUDA
+    device a recorded `cuda` gives way to `auto` (a note on stderr) unless -c/-o asks for it again."""
+    import torch
+
+    from gptforge.config.loader import CheckpointConfig, merge_layers
+
+    ck = CheckpointConfig(source="run/step_9", raw={"Global": {"device": "cuda:0", "seed": 3}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    g = merge_layers(None, [], ck)["Global"]
+    assert "device" not in g and g["seed"] == 3
+    assert "run/step_9 was trained with Global.device=cuda:0" in capsys.readouterr().err
+    assert merge_layers(None, ["Global.device=cuda"], ck)["Global"]["device"] == "cuda"  # asked for: kept
+    assert capsys.readouterr().err == ""
+    cpu = CheckpointConfig(source="x", raw={"Global": {"device": "cpu"}})
+    assert merge_layers(None, [], cpu)["Global"]["device"] == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert merge_layers(None, [], ck)["Global"]["device"] == "cuda:0"  # where CUDA is there, as recorded
