@@ -93,13 +93,14 @@ def analysis_summary(path: Path, float_params: int) -> dict:
             "layers": sorted(([n, params[n], *inc[n]] for n in inc), key=lambda r: -r[2])}
 
 
-def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args) -> dict:
-    """Quantize (unless float), score on the held-out text and read the bit counts of one variant."""
+def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: Path | None = None) -> dict:
+    """Quantize (unless float), score on the held-out text and read the bit counts of one variant
+    (calibrated on `calib`, else on the built-in corpus's first documents)."""
     path, t0 = ckpt, time.perf_counter()
     if flags is not None:
-        path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name))
+        path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name) + (f"_{calib.stem}" if calib else ""))
         cli("quantize", "--ckpt", ckpt, "--out", path, "--force", *flags, "--samples", args.samples,
-            "--seq-len", args.seq, "--no-progress")
+            "--seq-len", args.seq, "--no-progress", *(("--calib", calib) if calib else ()))
     secs = time.perf_counter() - t0
     m = score(path, text, work / f"{path.name}_eval.json", args.seq)
     spec_file, plan_file = path / "weight_only.json", path / "quant_plan.json"
@@ -131,6 +132,43 @@ def verdicts(rows: dict) -> dict:
     return out
 
 
+def calibration_files(work: Path, tok, cfg, sets: int, samples: int, seq: int) -> list[Path]:
+    """`sets - 1` calibration texts beside the default one (the corpus's first documents): runs of
+    Train-split documents starting at 1/sets, 2/sets, ... of that range (disjoint from each other,
+    from the default set, and from the held-out Eval documents), each ~1.5x the tokens needed."""
+    from gptforge.data.corpus import builtin_token_files
+    from gptforge.demo.heldout import split_documents
+
+    out = []
+    for i in range(1, sets):
+        path = work / f"calib_{i}of{sets}.txt"
+        if not path.is_file():
+            docs = split_documents(builtin_token_files(tok), tok, cfg.Data.Train.dataset.split, 0, first=i / sets,
+                                   chars=6 * samples * (seq + 1))  # ~4 characters per token here, with room
+            path.write_text("\n\n".join(docs), encoding="utf-8")
+        out.append(path)
+    return out
+
+
+def spread_verdicts(per_set: list[dict], float_bpb: float) -> dict:
+    """The acceptance line on the means over calibration sets: each GPTQ variant's mean increase
+    (and its min / max over the sets); the mixed model against each reference's mean."""
+    names = [n for n in (MIXED, *REFS) if all(n in r for r in per_set)]
+    inc = {n: [r[n]["bits_per_byte"] - float_bpb for r in per_set] for n in names}
+    out = {"sets": len(per_set), "increase": {n: {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "each": v}
+                                              for n, v in inc.items()}, "verdicts": {}}
+    for ref in REFS:
+        if MIXED not in inc or ref not in inc:
+            continue
+        im, ir = out["increase"][MIXED]["mean"], out["increase"][ref]["mean"]
+        fewer = per_set[0][MIXED]["tensor_bytes"] <= per_set[0][ref]["tensor_bytes"]
+        out["verdicts"][ref] = {"ratio_of_means": im / ir if ir > 0 else float("nan"), "mixed_bytes_le": fewer,
+                                "met": bool(ir > 0 and im / ir <= 0.5 and fewer)}
+        print(f"over {len(per_set)} calibration sets: {MIXED} mean increase {im:+.4f} vs {ref} {ir:+.4f}: "
+              f"{'met' if out['verdicts'][ref]['met'] else 'not met'}")
+    return out
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="runs/bench_lowbit")
@@ -144,6 +182,8 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
     ap.add_argument("--log", action="store_true", help="print the training run's log lines")
+    ap.add_argument("--calib-sets", type=int, default=1, help="repeat the mixed model and the uniform GPTQ references "
+                    "with this many disjoint calibration texts (the default one first) and judge on the means")
     ap.add_argument("--out", help="write the results (JSON) here too, after every variant")
     return ap.parse_args()
 
@@ -194,6 +234,18 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
     rec["verdicts"] = verdicts(rows)
+    if args.calib_sets > 1:
+        per_set = [rows]
+        for calib in calibration_files(work, tok, cfg, args.calib_sets, args.samples, args.seq):
+            extra = {}
+            for name in (MIXED, *REFS):
+                flags = variants(rec["default_int4_bytes"], sens / "analysis.json")[name]
+                extra[name] = r = measure(name, flags, ckpt, work, text, args, calib=calib)
+                print(f"{name:38} {calib.name}: bpb {r['bits_per_byte']:.4f} ({r['quantize_s']:.0f}s, "
+                      f"load {os.getloadavg()[0]:.1f})", flush=True)
+            per_set.append(extra)
+        rec["calibration_sets"] = spread_verdicts(per_set, rows["float"]["bits_per_byte"])
+        rec["calibration_sets"]["rows"] = per_set[1:]
     a = rec["analysis"]
     print(f"block Linears {100 * a['blocks_share_of_all']:.1f}% of the weights ({100 * a['blocks_share_of_planned']:.1f}% "
           f"of the planned ones); summed 4-bit increase: head {a['head_increase4']:.4g}, blocks {a['blocks_increase4']:.4g}")

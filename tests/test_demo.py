@@ -327,3 +327,28 @@ def test_stages_run_their_verbs_through_the_runner_handed_in(tmp_path):
         run_demo(Settings(out=str(tmp_path / "run"), quick=True, minutes=2.5, shape=QUICK), runner, echo=False)
     assert len(calls) == 1 and calls[0][:2] == ["tokenizer", "train"] and all(isinstance(a, str) for a in calls[0])
     assert "refused by the test runner" in (tmp_path / "run" / "logs" / "tokenizer.log").read_text()
+
+
+def test_split_documents_reads_each_part_from_a_fraction_on_up_to_a_length(tmp_path):
+    """Train / Eval / Test documents of token files by the split's ranges (Eval: what the demo
+    holds out); `first` starts part-way into the range, `chars` stops once that much text is read."""
+    import numpy as np
+
+    from gptforge.demo.heldout import eval_documents, split_documents
+
+    class Tok:
+        eos_token_id = 0
+
+        def decode(self, ids):
+            return " ".join(f"d{i}" for i in ids)
+
+    lens = np.full(10, 2)
+    ids = np.array([t for d in range(1, 11) for t in (d, 0)], dtype=np.uint16)  # each document: its number, eos
+    np.save(tmp_path / "c_ids.npy", ids)
+    np.savez(tmp_path / "c_idx.npz", lens=lens)
+    prefix = tmp_path / "c"
+    assert split_documents(prefix, Tok(), "6,2,2", 0) == [f"d{i}" for i in range(1, 7)]
+    assert split_documents(prefix, Tok(), "6,2,2", 1) == eval_documents(prefix, Tok(), "6,2,2") == ["d7", "d8"]
+    assert split_documents(prefix, Tok(), "6,2,2", 2) == ["d9", "d10"]
+    assert split_documents(prefix, Tok(), "6,2,2", 0, first=0.5) == ["d4", "d5", "d6"]
+    assert split_documents(prefix, Tok(), "6,2,2", 0, first=0.5, chars=3) == ["d4", "d5"]

@@ -39,6 +39,13 @@ class HeldoutFiles:
 
 def eval_documents(prefix: str | Path, tokenizer, split) -> list[str]:
     """The text of the Eval-range documents of the token files at `prefix`."""
+    return split_documents(prefix, tokenizer, split, 1)
+
+
+def split_documents(prefix: str | Path, tokenizer, split, part: int, first: float = 0.0,
+                    chars: int | None = None) -> list[str]:
+    """The text of the documents of one part of `split` (0 Train, 1 Eval, 2 Test) of the token
+    files at `prefix`, from the fraction `first` of that range on, until `chars` characters."""
     from gptforge.data.index_map import split_boundaries
     from gptforge.data.indexed import load_token_files
 
@@ -47,13 +54,19 @@ def eval_documents(prefix: str | Path, tokenizer, split) -> list[str]:
     starts = np.concatenate([[0], np.cumsum(tf.lens, dtype=np.int64)])
     docs = []
     eos = tokenizer.eos_token_id
-    for d in range(bounds[1], bounds[2]):
+    lo, hi = bounds[part], bounds[part + 1]
+    total = 0
+    for d in range(lo + int(first * (hi - lo)), hi):
+        if chars is not None and total >= chars:
+            break
         ids = [int(t) for t in tf.ids[starts[d]:starts[d + 1]] if int(t) != eos]
         text = tokenizer.decode(ids).strip()
         if text:
             docs.append(text)
+            total += len(text)
     if not docs:
-        raise DataError(f"{prefix}: the Eval part of split {split} holds no documents; give it a larger weight")
+        name = ("Train", "Eval", "Test")[part]
+        raise DataError(f"{prefix}: the {name} part of split {split} holds no documents; give it a larger weight")
     return docs
 
 
