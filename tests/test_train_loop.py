@@ -419,21 +419,27 @@ def test_a_checkpoints_time_limits_are_not_inherited():
     assert e["max_time"] == 30  # the new run's own limit
 
 
-def test_a_checkpoint_trained_on_cuda_runs_on_a_machine_without_one(monkeypatch, capsys):
+def test_a_checkpoint_trained_on_cuda_runs_on_a_machine_without_one(tmp_path, monkeypatch, capsys):
     """A model directory records Global.device of the run that trained it; where there is no CUDA
     device a recorded `cuda` gives way to `auto` (a note on stderr) unless -c/-o asks for it again."""
     import torch
+    import yaml
 
-    from gptforge.config.loader import CheckpointConfig, merge_layers
+    from gf_testutil import tiny_model
+    from gptforge.data.tokenizer import gpt2_tokenizer
+    from gptforge.model_io import load_run_config, save_model_dir
 
-    ck = CheckpointConfig(source="run/step_9", raw={"Global": {"device": "cuda:0", "seed": 3}})
+    m, cfg = tiny_model()
+    save_model_dir(m, cfg, tmp_path / "m", gpt2_tokenizer())
+    f = tmp_path / "m" / "config.yaml"
+    raw = yaml.safe_load(f.read_text())
+    raw["Global"]["device"] = "cuda:0"
+    f.write_text(yaml.safe_dump(raw))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    g = merge_layers(None, [], ck)["Global"]
-    assert "device" not in g and g["seed"] == 3
-    assert "run/step_9 was trained with Global.device=cuda:0" in capsys.readouterr().err
-    assert merge_layers(None, ["Global.device=cuda"], ck)["Global"]["device"] == "cuda"  # asked for: kept
-    assert capsys.readouterr().err == ""
-    cpu = CheckpointConfig(source="x", raw={"Global": {"device": "cpu"}})
-    assert merge_layers(None, [], cpu)["Global"]["device"] == "cpu"
+    assert load_run_config(ckpt_dir=tmp_path / "m").Global.device == "auto"
+    assert "was trained with Global.device=cuda:0" in capsys.readouterr().err
+    assert load_run_config(overrides=["Global.device=cpu"], ckpt_dir=tmp_path / "m").Global.device == "cpu"
+    assert load_run_config(overrides=["Global.device=cuda"], ckpt_dir=tmp_path / "m").Global.device == "cuda"
+    assert capsys.readouterr().err == ""  # asked for on this run: no note (and select_device says the rest)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert merge_layers(None, [], ck)["Global"]["device"] == "cuda:0"  # where CUDA is there, as recorded
+    assert load_run_config(ckpt_dir=tmp_path / "m").Global.device == "cuda:0"  # where CUDA is there, as recorded

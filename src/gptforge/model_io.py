@@ -206,8 +206,20 @@ def checkpoint_config(path: str | os.PathLike):
     from gptforge.config.loader import CheckpointConfig
 
     p = resolve_checkpoint_path(path)
-    return CheckpointConfig(source=str(path), raw=read_checkpoint_config(p), path=p, is_dir=p.is_dir(),
-                            has_tokenizer=p.is_dir() and has_tokenizer_files(p))
+    raw, foreign = _device_of_this_machine(read_checkpoint_config(p))
+    return CheckpointConfig(source=str(path), raw=raw, path=p, is_dir=p.is_dir(),
+                            has_tokenizer=p.is_dir() and has_tokenizer_files(p), foreign_device=foreign)
+
+
+def _device_of_this_machine(raw: dict) -> tuple[dict, str | None]:
+    """A checkpoint records the device its run trained on. On a machine without CUDA a recorded CUDA
+    device leaves the checkpoint's layer (so `auto`, or what -c/-o say, applies: a model trained on
+    a GPU evaluates and generates on a CPU box); returns (raw, the dropped device or None)."""
+    glob = raw.get("Global") if isinstance(raw.get("Global"), dict) else {}
+    dev = glob.get("device")
+    if not (isinstance(dev, str) and dev.lower().startswith(("cuda", "gpu"))) or torch.cuda.is_available():
+        return raw, None
+    return {**raw, "Global": {k: v for k, v in glob.items() if k != "device"}}, dev
 
 
 def load_run_config(path: str | os.PathLike | None = None, overrides=(), ckpt_dir: str | os.PathLike | None = None,

@@ -225,6 +225,7 @@ class CheckpointConfig:
     path: Path | None = None      # the resolved directory or file
     is_dir: bool = False
     has_tokenizer: bool = False   # it carries its own tokenizer files
+    foreign_device: str | None = None  # a recorded CUDA Global.device, dropped: this machine has none
 
 
 def _portable_checkpoint_raw(raw: dict[str, Any], ck: CheckpointConfig) -> tuple[dict[str, Any], dict[str, str]]:
@@ -296,25 +297,6 @@ def _drop_launch_derived(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _device_of_this_machine(raw: dict[str, Any], ckpt_dir) -> dict[str, Any]:
-    """A checkpoint records the device its run trained on; on a machine without CUDA a recorded
-    CUDA device (that -c/-o did not set again) gives way to `auto`, said once on stderr: a model
-    trained on a GPU box then runs here instead of failing. A device asked for on this run stays
-    (and fails with its own message where it is absent)."""
-    dev = _at(raw, "Global.device")
-    if not (isinstance(dev, str) and dev.lower().startswith(("cuda", "gpu"))):
-        return raw
-    import torch
-
-    if torch.cuda.is_available():
-        return raw
-    import sys
-
-    print(f"gptforge: {ckpt_dir} was trained with Global.device={dev}; this machine has no CUDA device, so it "
-          "runs on the CPU (-o Global.device=... to choose)", file=sys.stderr)
-    return _with(raw, "Global.device", None, drop=True)
-
-
 def _file_batch_wins(ck_raw: dict[str, Any], file_raw: dict[str, Any]) -> dict[str, Any]:
     """Batch sizes are one statement: when the -c file gives any of global/local/micro, the
     checkpoint's are dropped (an eval recipe's local batch must not meet the training run's
@@ -363,8 +345,11 @@ def merge_layers(
     raw = apply_overrides(apply_overrides(raw, overrides), preset_fills(layer, raw, keep))
     if legacy:
         _report_legacy_paths(raw, legacy, ckpt_dir)
-    if ckpt is not None and _at(file_raw, "Global.device") is None and _at(layer, "Global.device") is None:
-        raw = _device_of_this_machine(raw, ckpt_dir)
+    if ckpt is not None and ckpt.foreign_device and _at(raw, "Global.device") is None:
+        import sys
+
+        print(f"gptforge: {ckpt_dir} was trained with Global.device={ckpt.foreign_device}; this machine has no "
+              "CUDA device, so it runs on the CPU (-o Global.device=... to choose)", file=sys.stderr)
     for key in requires:
         if raw_get(raw, *key.split(".")) is None:
             raise ConfigError(
