@@ -164,6 +164,11 @@ class Terminal:
         import subprocess
         import termios
 
+        from gptforge.transforms import native_kernels
+
+        # The session's one-time kernel build happens here, not inside the terminal whose text the
+        # test reads (run alone, or first on its worker, the chat would print the build's progress).
+        native_kernels.unavailable()
         self.fd, follower = pty.openpty()
 
         def take_terminal():  # runs in the child after setsid: the pty becomes its controlling tty
