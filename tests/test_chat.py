@@ -161,6 +161,7 @@ class Terminal:
         import fcntl
         import os
         import pty
+        import signal
         import subprocess
         import termios
 
@@ -173,6 +174,9 @@ class Terminal:
 
         def take_terminal():  # runs in the child after setsid: the pty becomes its controlling tty
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # as a shell starts a foreground program: SIGINT at its default, whatever this test
+            # process inherited (an ignored SIGINT survives exec, and Ctrl-C at the prompt did nothing)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=_env(),
                                      start_new_session=True, preexec_fn=take_terminal, close_fds=True)

@@ -30,3 +30,17 @@ def select_device(spec: str) -> torch.device:
     if s == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"Global.device: {spec!r} is not one of auto, cpu, cuda, gpu, cuda:N")
+
+
+def recorded_device_here(raw: dict) -> tuple[dict, str | None]:
+    """A checkpoint's config records the device its run trained on. On a machine without CUDA a
+    recorded CUDA device leaves the checkpoint's layer (so `auto`, or what -c/-o say, applies: a
+    model trained on a GPU evaluates and generates on a CPU box); returns (raw, the dropped device
+    or None)."""
+    import torch
+
+    glob = raw.get("Global") if isinstance(raw.get("Global"), dict) else {}
+    dev = glob.get("device")
+    if not (isinstance(dev, str) and dev.lower().startswith(("cuda", "gpu"))) or torch.cuda.is_available():
+        return raw, None
+    return {**raw, "Global": {k: v for k, v in glob.items() if k != "device"}}, dev

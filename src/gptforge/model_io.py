@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gptforge.config.presets import PRESETS
+from gptforge.device import recorded_device_here
 from gptforge.durable import publish_dir, recover_aside
 from gptforge.errors import CheckpointError, GPTForgeError
 from gptforge.fsguard import disk_full_errno, disk_full_error
@@ -206,20 +207,9 @@ def checkpoint_config(path: str | os.PathLike):
     from gptforge.config.loader import CheckpointConfig
 
     p = resolve_checkpoint_path(path)
-    raw, foreign = _device_of_this_machine(read_checkpoint_config(p))
+    raw, foreign = recorded_device_here(read_checkpoint_config(p))
     return CheckpointConfig(source=str(path), raw=raw, path=p, is_dir=p.is_dir(),
                             has_tokenizer=p.is_dir() and has_tokenizer_files(p), foreign_device=foreign)
-
-
-def _device_of_this_machine(raw: dict) -> tuple[dict, str | None]:
-    """A checkpoint records the device its run trained on. On a machine without CUDA a recorded CUDA
-    device leaves the checkpoint's layer (so `auto`, or what -c/-o say, applies: a model trained on
-    a GPU evaluates and generates on a CPU box); returns (raw, the dropped device or None)."""
-    glob = raw.get("Global") if isinstance(raw.get("Global"), dict) else {}
-    dev = glob.get("device")
-    if not (isinstance(dev, str) and dev.lower().startswith(("cuda", "gpu"))) or torch.cuda.is_available():
-        return raw, None
-    return {**raw, "Global": {k: v for k, v in glob.items() if k != "device"}}, dev
 
 
 def load_run_config(path: str | os.PathLike | None = None, overrides=(), ckpt_dir: str | os.PathLike | None = None,
