@@ -185,7 +185,10 @@ def parse_args():
     ap.add_argument("--calib-sets", type=int, default=1, help="repeat the mixed model and the uniform GPTQ references "
                     "with this many disjoint calibration texts (the default one first) and judge on the means")
     ap.add_argument("--out", help="write the results (JSON) here too, after every variant")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.calib_sets < 1:
+        ap.error(f"--calib-sets: at least 1 (the default calibration text), got {args.calib_sets}")
+    return args
 
 
 def main() -> None:

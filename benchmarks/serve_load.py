@@ -320,6 +320,8 @@ def main() -> None:
                    help="OMP_NUM_THREADS of both servers (default 1: on a shared, oversubscribed 2-core machine "
                         "two threads per process run slower than one)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, got {args.rounds}")
     text = run_all(args)
     print(text)
     if args.out:
