@@ -130,7 +130,7 @@ def kernel_choice_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128), rounds: 
 
     from gptforge.config.schema import QuantizationConfig
     from gptforge.transforms import cpu_kernels
-    from gptforge.transforms.int8 import Int8Linear, set_kernel
+    from gptforge.transforms.int8 import Int8Linear, kernel_path, native_ready, set_kernel
     from gptforge.transforms.quant import QuantLinear
 
     torch.manual_seed(0)
@@ -153,6 +153,10 @@ def kernel_choice_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128), rounds: 
         mod = set_kernel(Int8Linear.from_quant(fq), kernel)
         exact = "yes" if kernel == "split" else {True: "yes", False: "no", None: "n/a"}[fb_exact]
         paths[f"fbgemm `{kernel}` (Int8Linear)"] = (exact, mod)
+    if native_ready():
+        paths["gptforge `native` (Int8Linear)"] = ("yes", set_kernel(Int8Linear.from_quant(fq), "native"))
+    else:
+        print("(gptforge's own kernels do not run a vector path here: `native` not measured)")
     try:
         import onnxruntime as ort
     except ImportError:
@@ -196,7 +200,7 @@ def kernel_choice_table(K: int = 1024, N: int = 4096, rows=(1, 8, 128), rounds: 
     load1 = os.getloadavg()
     print(f"\nmachine: {cpu_kernels.describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average before {load0[0]:.2f} / after {load1[0]:.2f} (1 min)")
-    print(f"auto picks: fbgemm {cpu_kernels.fbgemm_kernel()}; onnxruntime " + ", ".join(
+    print(f"auto picks: {kernel_path()}; onnxruntime " + ", ".join(
         f"{d} storage {cpu_kernels.ort_int8_gemm(d)}" for d in cpu_kernels.ort_probes()))
     print(f"\nOne Linear {K} -> {N}, each path forced: median ms per call (best of {rounds} interleaved rounds); "
           "error = max |y - exact| / max |exact| against exact int8 arithmetic of the same integers")

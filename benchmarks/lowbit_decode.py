@@ -101,17 +101,17 @@ def weight_only_model(model, bits: int):
 
 
 @contextlib.contextmanager
-def kernel_env(value: str | None):
-    """GPTFORGE_WEIGHT_KERNEL=value for one engine's turn (None: unset, `auto`)."""
-    old = os.environ.pop("GPTFORGE_WEIGHT_KERNEL", None)
+def kernel_env(value: str | None, var: str = "GPTFORGE_WEIGHT_KERNEL"):
+    """`var`=value for one engine's turn (None: unset, `auto`)."""
+    old = os.environ.pop(var, None)
     if value:
-        os.environ["GPTFORGE_WEIGHT_KERNEL"] = value
+        os.environ[var] = value
     try:
         yield
     finally:
-        os.environ.pop("GPTFORGE_WEIGHT_KERNEL", None)
+        os.environ.pop(var, None)
         if old is not None:
-            os.environ["GPTFORGE_WEIGHT_KERNEL"] = old
+            os.environ[var] = old
 
 
 def _last_logits(llm) -> np.ndarray:
@@ -178,13 +178,15 @@ def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[flo
         return llama_times(eng, ids, n)[1]
     off = name.endswith(UNFUSED)
     kern = name.removesuffix(UNFUSED).split()[-1]
-    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(kern)), fused_env(off):
+    int8_kern = kern if name.startswith("gptforge int8 ") else None  # --int8-kernels: the real INT8 model's path
+    with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(kern)), fused_env(off), \
+            kernel_env(int8_kern, "GPTFORGE_INT8_KERNEL"):
         return engine_times(eng, ids, n) if loop == "engine" else decode_times(eng, prompt, n, True)[1]
 
 
 def _with_twin(name: str) -> tuple[str, ...]:
     """`name` and, where the fused step can apply (not the real INT8 model, not llama.cpp), its Python-step twin."""
-    return (name, f"{name} {UNFUSED}") if name.startswith("gptforge") and name != "gptforge int8" else (name,)
+    return (name, f"{name} {UNFUSED}") if name.startswith("gptforge") and not name.startswith("gptforge int8") else (name,)
 
 
 def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:
@@ -201,7 +203,8 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
     prompt = torch.randint(0, tok.vocab_size, (1, args.prompt), generator=g)
     engines: dict[str, tuple[object, int]] = {"gptforge fp32": (model, state_bytes(model))}
     q = int8_model(model, tok.vocab_size)
-    engines["gptforge int8"] = (q, state_bytes(q))
+    for kern in args.int8_kernels:
+        engines["gptforge int8" + ("" if kern == "auto" else f" {kern}")] = (q, state_bytes(q))
     for fmt in args.wo_formats if args.wo_kernels else ():
         wo = weight_only_model(model, WO_FORMATS[fmt])
         for kern in args.wo_kernels:
@@ -247,7 +250,8 @@ def report(preset: str, rows, args) -> None:
              ("gptforge wo-bf16 native", "gptforge fp32"),
              ("gptforge wo-int8 native", "gptforge wo-int8 before"), ("gptforge wo-int4 native", "gptforge wo-int4 before"),
              ("gptforge wo-int4 native", "gptforge int8"), ("gptforge wo-int8 native-q8a", "llama.cpp q8_0"),
-             ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"))
+             ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"), ("gptforge int8 native", "gptforge int8 split"),
+             ("gptforge int8 native", "llama.cpp q8_0"), ("gptforge int8 native", "gptforge fp32"))
     pairs += tuple((name, f"{name} {UNFUSED}") for name in tps if f"{name} {UNFUSED}" in tps)
     print()
     for ours, theirs in pairs:
@@ -277,6 +281,8 @@ def main() -> int:
     ap.add_argument("--compare-fused", action="store_true",
                     help="time every gptforge engine also with GPTFORGE_FUSED_DECODE=off (the Python step), "
                     "interleaved in the same rounds")
+    ap.add_argument("--int8-kernels", nargs="+", default=["auto"], choices=["auto", "split", "plain", "native"],
+                    help="the real INT8 model's paths to time (GPTFORGE_INT8_KERNEL), each an engine of its own")
     ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES)
     ap.add_argument("--llama-no-mmap", action="store_true",
                     help="llama.cpp reads its GGUF into memory instead of mapping it (sandboxes whose mmap it trips on)")

@@ -87,20 +87,34 @@ def _plain_call(q, x):
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 3.0 / 127, 128, q.packed())
 
 
+@pytest.fixture
+def native_int8():
+    """Skips where gptforge's int8 kernel has no vector path. Asked at run time, not at collection:
+    asking builds the kernels, which must go to the session's cache (conftest), not the user's."""
+    if not int8_mod.native_ready():
+        pytest.skip("gptforge's CPU kernels run no vector path here")
+
+
 @fast
 @pytest.mark.parametrize("how", ["argument", "environment"])
-@pytest.mark.parametrize("kernel", ["split", "plain"])
-def test_forced_kernel_runs_that_path_and_is_exact_iff_the_probe_says_so(kernel, how, monkeypatch):
+@pytest.mark.parametrize("kernel", ["split", "plain", "native"])
+def test_forced_kernel_runs_that_path_and_is_exact_iff_the_probe_says_so(kernel, how, monkeypatch, request):
+    if kernel == "native":
+        request.getfixturevalue("native_int8")
     q, x, exact = _saturating_case()
     if how == "argument":
         monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "split" if kernel == "plain" else "plain")  # the argument wins
         set_kernel(q, kernel)
     else:
         monkeypatch.setenv(cpu_kernels.KERNEL_ENV, kernel)
+    calls = []
+    monkeypatch.setattr(int8_mod.native_kernels, "int8_rows",
+                        lambda *a, real=int8_mod.native_kernels.int8_rows: calls.append(1) or real(*a))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # forcing plain where it saturates warns
         got = q(x).numpy()
-    if kernel == "split":  # exact on any CPU
+    assert bool(calls) == (kernel == "native")
+    if kernel in ("split", "native"):  # exact on any CPU
         np.testing.assert_allclose(got, exact, rtol=1e-6)
     else:  # the plain call itself, exact exactly where the probe says so
         np.testing.assert_array_equal(got, _plain_call(q, x).numpy())
@@ -110,14 +124,19 @@ def test_forced_kernel_runs_that_path_and_is_exact_iff_the_probe_says_so(kernel,
 @fast
 def test_automatic_kernel_is_exact_on_this_cpu():
     q, x, exact = _saturating_case()
-    assert cpu_kernels.fbgemm_kernel() == ("plain" if cpu_kernels.fbgemm_plain_is_exact() else "split")
+    want_path = "plain" if cpu_kernels.fbgemm_plain_is_exact() else "native" if int8_mod.native_ready() else "split"
+    assert int8_mod.kernel_path() == want_path
     np.testing.assert_allclose(q(x).numpy(), exact, rtol=1e-6)
     emb = Int8Embedding.from_embedding(nn.Embedding(300, 256))
     h = torch.randn(5, 256) * 3
-    step = float(h.abs().max()) / 127
-    q1 = torch.round(h.double() / step)
-    q2 = torch.round((h.double() - q1 * step) * 254 / step)  # the second digit, as the head carries it
-    want = (q1 * step + q2 * step / 254) @ emb.dequantized_weight().double().T
+    if want_path == "native":  # one 16-bit integer per activation
+        step = float(h.abs().max()) / 32767
+        want = torch.round(h.double() / step) * step @ emb.dequantized_weight().double().T
+    else:
+        step = float(h.abs().max()) / 127
+        q1 = torch.round(h.double() / step)
+        q2 = torch.round((h.double() - q1 * step) * 254 / step)  # the second digit, as the head carries it
+        want = (q1 * step + q2 * step / 254) @ emb.dequantized_weight().double().T
     torch.testing.assert_close(emb.project(h).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
@@ -126,7 +145,7 @@ def test_head_is_exact_on_the_split_path_and_equal_on_both_where_plain_is_exact(
     emb = Int8Embedding.from_embedding(nn.Embedding(300, 256))
     h = torch.randn(5, 256) * 3
     got = {}
-    for kernel in ("split", "plain"):
+    for kernel in ("split", "plain", *(("native",) if int8_mod.native_ready() else ())):
         set_kernel(emb, kernel)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -135,6 +154,12 @@ def test_head_is_exact_on_the_split_path_and_equal_on_both_where_plain_is_exact(
     torch.testing.assert_close(got["split"].double(), want, rtol=0, atol=1e-4 * float(want.abs().max()))
     if cpu_kernels.fbgemm_plain_is_exact():
         torch.testing.assert_close(got["plain"], got["split"], rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    if "native" in got:  # one 16-bit integer per activation instead of two int8 digits: as close to float
+        torch.testing.assert_close(got["native"].double(), want, rtol=0, atol=1e-4 * float(want.abs().max()))
+        step = float(h.abs().max()) / 32767
+        q = torch.round(h.double() / torch.tensor(step, dtype=torch.float32).double())
+        exact = (q @ emb.weight.double().T).float() * (torch.tensor(step, dtype=torch.float32) * emb.weight_scale)
+        assert torch.equal(got["native"], exact)  # K 256: one chunk, exact int32 sums
 
 
 @fast
@@ -144,8 +169,8 @@ def test_a_cpu_where_plain_is_exact_gets_plain_and_the_fake_quant_numbers(atype,
     (2 x 255 x 7), so the plain call is exact here too; a probe saying 'exact' must pick it."""
     monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda: True)
     calls = []
-    real = cpu_kernels.fbgemm_kernel
-    monkeypatch.setattr(int8_mod, "fbgemm_kernel", lambda k=None: calls.append(real(k)) or calls[-1])
+    real = int8_mod.kernel_path
+    monkeypatch.setattr(int8_mod, "kernel_path", lambda k=None: calls.append(real(k)) or calls[-1])
     fq = _trained_layer(weight_bits=4, activation_quantize_type=atype, activation_preprocess_type="PACT")
     q = Int8Linear.from_quant(fq)
     x = torch.randn(3, 7, 96) * 2
@@ -159,22 +184,79 @@ def test_a_cpu_where_plain_is_exact_gets_plain_and_the_fake_quant_numbers(atype,
 
 
 def test_auto_follows_the_probe_and_the_environment_forces_a_path(monkeypatch):
-    for exact, auto in ((True, "plain"), (False, "split"), (None, "split")):  # None: no fbgemm
+    for exact, ready, auto in ((True, True, "plain"), (True, False, "plain"), (False, True, "native"),
+                               (False, False, "split"), (None, False, "split")):  # None: no fbgemm
         monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda e=exact: e)
-        assert cpu_kernels.fbgemm_kernel() == auto and cpu_kernels.fbgemm_kernel("auto") == auto
-        for forced in ("split", "plain"):
+        kernel = lambda k=None, r=ready: cpu_kernels.int8_kernel(k, lambda: r)  # noqa: E731
+        assert kernel() == auto and kernel("auto") == auto
+        for forced in ("split", "plain", "native"):
             monkeypatch.setenv(cpu_kernels.KERNEL_ENV, forced)
-            assert cpu_kernels.fbgemm_kernel() == forced and cpu_kernels.fbgemm_kernel("auto") == forced
-            other = "plain" if forced == "split" else "split"
-            assert cpu_kernels.fbgemm_kernel(other) == other  # an argument beats the environment
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                want = "split" if forced == "native" and not ready else forced  # no native kernel: warned, split
+                assert kernel() == want and kernel("auto") == want
+                other = "plain" if forced != "plain" else "split"
+                assert kernel(other) == other  # an argument beats the environment
         monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "Auto ")
-        assert cpu_kernels.fbgemm_kernel() == auto
+        assert kernel() == auto
         monkeypatch.delenv(cpu_kernels.KERNEL_ENV)
     monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "fast")
-    with pytest.raises(UsageError, match="GPTFORGE_INT8_KERNEL='fast': choose one of auto, split, plain"):
-        cpu_kernels.fbgemm_kernel()
+    with pytest.raises(UsageError, match="GPTFORGE_INT8_KERNEL='fast': choose one of auto, split, plain, native"):
+        cpu_kernels.int8_kernel()
     with pytest.raises(ConfigError, match="int8 kernel 'vnni'"):
         set_kernel(nn.Sequential(), "vnni")
+
+
+def test_forcing_native_without_the_kernels_warns_and_takes_split(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "fbgemm_plain_is_exact", lambda: False)
+    cpu_kernels._warn_inexact.cache_clear()
+    with pytest.warns(RuntimeWarning, match="kernel=native: gptforge's CPU kernels do not run a vector path"):
+        assert cpu_kernels.int8_kernel("native", lambda: False) == "split"
+    monkeypatch.setenv("GPTFORGE_NATIVE_ISA", "off")
+    assert not int8_mod.native_ready() and int8_mod.kernel_path() == "split"
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2"])
+@pytest.mark.parametrize("shape", [(37, 129, 5), (300, 768, 4), (8, 2, 1), (50, 96, 64)])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_native_int8_rows_equal_exact_integer_arithmetic_bit_for_bit(path, shape, per_channel, native_int8):
+    """Every ISA path: round(x/step) (ties to even, ±127) times the int8 weights summed exactly, then
+    float(sum) · (float(step) · w_scale) + bias, as fbgemm's one-call path scales it; odd K, N not a
+    multiple of 8, 1 to 64 rows; each row's bits independent of the rows beside it."""
+    n, k, m = shape
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0] = 127  # the extremes: full-range products everywhere in a row
+    ws = torch.rand(n if per_channel else 1, generator=g) * 0.01 + 1e-3
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0] = x[0].sign() * x.abs().max()  # every activation at ±127
+    step = float(x.abs().max()) / 127
+    q = torch.round(x.double() / torch.tensor(step, dtype=torch.float32).double()).clamp(-127, 127)
+    sums = q @ w.double().T  # exact: |sum| < 2^53
+    want = sums.float() * (torch.tensor(step, dtype=torch.float32) * ws) + bias
+    got = int8_mod.native_kernels.int8_rows(x, int8_mod.pack_panels(w), ws, bias, step, n, path)
+    assert torch.equal(got, want)
+    alone = int8_mod.native_kernels.int8_rows(x[-1:], int8_mod.pack_panels(w), ws, bias, step, n, path)
+    assert torch.equal(alone[0], got[-1])
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2"])
+def test_native_16_bit_activations_sum_in_chunks_without_overflow(path, native_int8):
+    """qmax 32767 (the head): 2 x 127 x 32767 per input pair overflows an int32 lane past 258 pairs;
+    K 1030 at the extremes (every product +127 x 32767) is summed in chunks, each exact, added as floats."""
+    n, k = 20, 1030
+    w = torch.full((n, k), 127, dtype=torch.int8)
+    w[1::2] = -127
+    x = torch.full((3, k), 5.0)
+    x[1, ::2] = -5.0
+    step = 5.0 / 32767
+    q = torch.round(x.double() / torch.tensor(step, dtype=torch.float32).double()).clamp(-32767, 32767)
+    sums = q @ w.double().T
+    assert sums.abs().max() > 2 ** 31  # one int32 sum would overflow
+    got = int8_mod.native_kernels.int8_rows(x, int8_mod.pack_panels(w), torch.ones(1), None, step, n, path, qmax=32767)
+    want = sums * float(torch.tensor(step, dtype=torch.float32))
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
 
 
 def test_cpu_description_names_the_model_flags_and_probe():
@@ -250,7 +332,9 @@ def test_converted_checkpoint_loads_evaluates_and_dequantizes(tmp_path):
     res = convert_checkpoint(tmp_path / "qat", tmp_path / "int8", int8_embedding=True, echo=False)
     assert res.check_data == "random ids" and res.sqnr_db >= 35 and res.int8_layers == 8
     # the report names the INT8 path its check ran on (the automatic one here) and the CPU
-    auto = f"fbgemm {cpu_kernels.fbgemm_kernel()}" if fast_kernel_available() else "dequantized fp32 (no fbgemm)"
+    path = int8_mod.kernel_path()
+    auto = (f"{'gptforge' if path == 'native' else 'fbgemm'} {path}" if fast_kernel_available()
+            else "dequantized fp32 (no fbgemm)")
     assert res.check_kernel == auto and cpu_kernels.cpu_info()["model"] in res.cpu
     loaded, lcfg = load_model(tmp_path / "int8")
     assert lcfg.Compress.Quantization.converted and lcfg.Compress.Quantization.quantize_embedding

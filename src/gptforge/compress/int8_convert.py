@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from gptforge.errors import ConfigError
-from gptforge.transforms.cpu_kernels import describe, fbgemm_available, fbgemm_kernel
-from gptforge.transforms.int8 import Int8Embedding, Int8Linear, convert_model, converted_config
+from gptforge.transforms.cpu_kernels import describe, fbgemm_available
+from gptforge.transforms.int8 import Int8Embedding, Int8Linear, convert_model, converted_config, kernel_path
 from gptforge.transforms.quant import (
     QuantEmbedding,
     QuantLinear,
@@ -78,7 +78,10 @@ class ConvertResult:
 
 
 def _kernel_name() -> str:
-    return f"fbgemm {fbgemm_kernel()}" if fbgemm_available() else "dequantized fp32 (no fbgemm)"
+    if not fbgemm_available():
+        return "dequantized fp32 (no fbgemm)"
+    path = kernel_path()
+    return f"{'gptforge' if path == 'native' else 'fbgemm'} {path}"
 
 
 CHECK_ROWS, CHECK_TOKENS = 4, 256  # a sample big enough for the statistics, quick on a 345M model

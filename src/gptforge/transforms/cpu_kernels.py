@@ -9,11 +9,14 @@ sums overflow int16, compared with exact integer arithmetic (cached for the proc
 
 Paths and how to force one (an argument wins over the environment; `auto` = not forced):
 
-- fbgemm, `Int8Linear` / `Int8Embedding` (`transforms/int8.py`): `plain` = one call with
-  activation zero point 128 (u8 = q + 128), exact only where the probe says so; `split` = each
-  row q as max(q, 0) and max(-q, 0) with zero point 0 (bytes <= 127 cannot overflow), exact on
-  every CPU, for twice the rows. `auto`: `plain` where exact (the same call on half the rows),
-  else `split`. Forced: `kernel=` or `GPTFORGE_INT8_KERNEL=auto|split|plain`.
+- `Int8Linear` / `Int8Embedding` (`transforms/int8.py`): fbgemm's `plain` = one call with
+  activation zero point 128 (u8 = q + 128), exact only where the probe says so; fbgemm's `split`
+  = each row q as max(q, 0) and max(-q, 0) with zero point 0 (bytes <= 127 cannot overflow),
+  exact on every CPU, for twice the rows; `native` = gptforge's own kernel
+  (`csrc/int8_rows.cpp`: int16 products summed in int32, `vpmaddwd`), exact on every CPU, one
+  pass per row, AVX2 or better. `auto`: `plain` where exact (VNNI: the same call on half the
+  rows), else `native` where gptforge's kernels run on a vector path, else `split`. Forced:
+  `kernel=` or `GPTFORGE_INT8_KERNEL=auto|split|plain|native`.
 - onnxruntime, fused QDQ MatMuls (`generate/ort_backend.py`): `on` = its int8 GEMM for the
   graph's storage (u8·u8 for uint8-stored graphs, s8 for int8-stored ones), `off` = the QDQ
   graph unfused (products in fp32: exact, fp32 speed). `auto`: `on` where that kernel's probe
@@ -33,7 +36,7 @@ import torch
 from gptforge.errors import UsageError
 
 KERNEL_ENV = "GPTFORGE_INT8_KERNEL"
-KERNELS = ("auto", "split", "plain")
+KERNELS = ("auto", "split", "plain", "native")
 ORT_GEMM_ENV = "GPTFORGE_ORT_INT8_GEMM"
 ORT_GEMMS = ("auto", "on", "off")
 INT8_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
@@ -210,14 +213,20 @@ def requested_choice(arg: str | None, env: str, choices: tuple[str, ...], flag: 
     return val
 
 
-def fbgemm_kernel(requested: str | None = None) -> str:
-    """`split` or `plain` for fbgemm INT8 layers (see the module docstring)."""
+def int8_kernel(requested: str | None = None, native_ready=lambda: False) -> str:
+    """`plain`, `native` or `split` for INT8 layers (see the module docstring); `native_ready()`:
+    whether gptforge's own kernels are built and run a vector path here (the caller knows: this
+    module sits below them; asked only when needed, since it may build them)."""
     req = requested_choice(requested, KERNEL_ENV, KERNELS, "kernel")
     if req == "auto":
-        return "plain" if fbgemm_plain_is_exact() else "split"
+        return "plain" if fbgemm_plain_is_exact() else "native" if native_ready() else "split"
     if req == "plain" and fbgemm_plain_is_exact() is False:
         _warn_inexact(f"{KERNEL_ENV}/kernel=plain: fbgemm's plain u8*s8 kernel saturates on this CPU "
                       "(int16 pair sums); INT8 outputs will not be exact")
+    if req == "native" and not native_ready():
+        _warn_inexact(f"{KERNEL_ENV}/kernel=native: gptforge's CPU kernels do not run a vector path here "
+                      "(no compiler, GPTFORGE_NATIVE_ISA=off/scalar, or not x86); using fbgemm's split path")
+        return "split"
     return req
 
 

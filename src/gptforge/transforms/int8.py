@@ -19,13 +19,18 @@ of at most 127 cannot overflow (2 x 127 x 127 < 32767). Two paths (`cpu_kernels.
   does not change; long prefills pay twice the int8 compute);
 - `plain`: one call with zero point 128, exact only where fbgemm's kernel does not saturate
   (e.g. AVX-512 VNNI): the same call on half the rows, 1.2x (1 row) to 2x (8+ rows) faster
-  (benchmarks/results/2026-11-23-int8-kernel-choice.md).
+  (benchmarks/results/2026-11-23-int8-kernel-choice.md);
+- `native`: gptforge's own kernel (`csrc/int8_rows.cpp`), int16 products summed exactly in
+  int32 (`vpmaddwd`), one pass per row on any AVX2 CPU, over weights packed for it once; the
+  output scaling is `plain`'s, so where `plain` is exact both give the same bits.
 
 `auto` (the default) takes `plain` where a one-time probe of the kernel finds it exact, else
-`split`; `GPTFORGE_INT8_KERNEL=split|plain` or `set_kernel(model, ...)` forces one.
+`native` where gptforge's kernels run a vector path, else `split`;
+`GPTFORGE_INT8_KERNEL=split|plain|native` or `set_kernel(model, ...)` forces one.
 
 Activations that are not quantized in the fake-quant model (the LM head's input) use two
-int8 digits (x ≈ s·q1 + s/254·q2), i.e. weight-only int8 with ~16-bit activations.
+int8 digits on fbgemm's paths (x ≈ s·q1 + s/254·q2) and one int16 on `native` (x ≈ s/258·q),
+i.e. weight-only int8 with ~16-bit activations.
 
 Off x86 (or on GPU) the same integers run through a dequantized fp32 matmul: the same numbers,
 no speed-up.
@@ -42,7 +47,8 @@ from torch import nn
 
 from gptforge.config.schema import QuantizationConfig
 from gptforge.errors import ConfigError
-from gptforge.transforms.cpu_kernels import KERNELS, fbgemm_available, fbgemm_kernel, fbgemm_prepack
+from gptforge.transforms import native_kernels
+from gptforge.transforms.cpu_kernels import KERNELS, fbgemm_available, fbgemm_prepack, int8_kernel
 from gptforge.transforms.quant import (
     EPS,
     QuantEmbedding,
@@ -57,11 +63,32 @@ from gptforge.transforms.quant import (
 )
 
 _DIGIT = 254.0  # second-digit scale: the residual of the first digit is within ±step/2
+_WIDE = 32767  # the head's activations on the `native` path: one int16 each
 
 
 def fast_kernel_available() -> bool:
     """fbgemm's int8 linear with fp32 output can run in this process (x86 CPU build)."""
     return fbgemm_available()
+
+
+def native_ready() -> bool:
+    """gptforge's own int8 kernel runs here on a vector path (built, AVX2 or better, not switched off)."""
+    return native_kernels.unavailable() is None and native_kernels.isa() in ("avx2", "avx512")
+
+
+def kernel_path(requested: str | None = None) -> str:
+    """The path INT8 layers take here: `plain`, `native` or `split` (see the module docstring)."""
+    return int8_kernel(requested, native_ready)
+
+
+def pack_panels(w_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N/8), K2 * 8], K2 = K rounded up to even: per panel of 8 outputs and
+    per input pair, the 8 outputs' two weights (zero-padded), as `csrc/int8_rows.cpp` reads them."""
+    n, k = w_int8.shape
+    nb, k2 = -(-n // 8), k + k % 2
+    padded = torch.zeros(nb * 8, k2, dtype=torch.int8)
+    padded[:n, :k] = w_int8.detach().cpu()
+    return padded.view(nb, 8, k2 // 2, 2).permute(0, 2, 1, 3).reshape(nb, k2 * 8).contiguous()
 
 
 class _Int8Weights(nn.Module):
@@ -82,28 +109,46 @@ class _Int8Weights(nn.Module):
                 and fast_kernel_available())
 
     def packed(self):
+        """fbgemm's packing of the weights and steps, rebuilt when either changes."""
         key = (self.weight.data_ptr(), self.weight._version, self.weight_scale.data_ptr(), self.weight_scale._version)
         if self._packed is None or key != self._packed_key:
             self._packed, self._packed_key = fbgemm_prepack(self.weight, self.weight_scale), key
         return self._packed
 
+    def panels(self) -> torch.Tensor:
+        """The weights packed for the `native` kernel (`pack_panels`), rebuilt when they change."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_panels_key", None) != key:
+            self._panels, self._panels_key = pack_panels(self.weight), key
+        return self._panels
+
     def dequantized_weight(self) -> torch.Tensor:
         s = self.weight_scale
         return self.weight.float() * (s[:, None] if s.numel() > 1 else s)
 
-    def _matmul_exact(self, rows: torch.Tensor, step: float) -> torch.Tensor:
-        """(round(rows/step) @ W_int^T) · step · s_w for rows already within ±qmax·step; exact
-        on the `split` path (and on `plain` where fbgemm does not saturate)."""
+    def _matmul_exact(self, rows: torch.Tensor, step: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(round(rows/step) @ W_int^T) · step · s_w (+ bias) for rows already within ±qmax·step;
+        exact on the `native` and `split` paths (and on `plain` where fbgemm does not saturate)."""
+        path = kernel_path(self.kernel)
+        if path == "native":
+            return native_kernels.int8_rows(rows, self.panels(), self.weight_scale, bias, step, self.weight.shape[0])
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-        if fbgemm_kernel(self.kernel) == "plain":
-            return op(rows, step, 128, self.packed())
-        m = rows.shape[0]
-        y = op(torch.cat([rows, rows.neg()]), step, 0, self.packed())
-        return y[:m] - y[m:]
+        if path == "plain":
+            y = op(rows, step, 128, self.packed())
+        else:
+            m = rows.shape[0]
+            y = op(torch.cat([rows, rows.neg()]), step, 0, self.packed())
+            y = y[:m] - y[m:]
+        return y if bias is None else y.add_(bias)
 
     def _matmul_weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (W_int · s_w)^T with x carried as two int8 digits (≈16-bit activations)."""
-        step = max(float(x.detach().abs().amax()) / 127.0, EPS)
+        """x @ (W_int · s_w)^T with ≈16-bit activations: on the `native` path one 16-bit integer
+        per value, on fbgemm's two int8 digits."""
+        amax = float(x.detach().abs().amax())
+        if kernel_path(self.kernel) == "native":
+            return native_kernels.int8_rows(x, self.panels(), self.weight_scale, None, max(amax / _WIDE, EPS),
+                                            self.weight.shape[0], qmax=_WIDE)
+        step = max(amax / 127.0, EPS)
         q1 = torch.fake_quantize_per_tensor_affine(x, step, 0, -127, 127)
         r = (x - q1).mul_(_DIGIT)  # within ±127 steps: the first digit's residual is within ±step/2
         y = self._matmul_exact(torch.cat([q1, r]), step)
@@ -112,8 +157,8 @@ class _Int8Weights(nn.Module):
 
 
 def set_kernel(model: nn.Module, kernel: str | None) -> nn.Module:
-    """Force every INT8 layer of `model` onto fbgemm's `split` or `plain` path (None or `auto`:
-    the environment's / the probe's choice, see `cpu_kernels.py`)."""
+    """Force every INT8 layer of `model` onto the `split`, `plain` or `native` path (None or
+    `auto`: the environment's / the probe's choice, see `cpu_kernels.py`)."""
     if kernel is not None and kernel not in KERNELS:
         raise ConfigError(f"int8 kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     for mod in model.modules():
@@ -194,12 +239,12 @@ class Int8Linear(_Int8Weights):
         clip = min(qm * step, alpha)
         xc = x2.clamp(-clip, clip)
         if self._use_fast(x2):
-            y = self._matmul_exact(xc, step)
+            y = self._matmul_exact(xc, step, self.bias)
         else:
             xq = torch.fake_quantize_per_tensor_affine(xc, step, 0, -qm, qm)
             y = F.linear(xq, self.dequantized_weight())
-        if self.bias is not None:
-            y = y.add_(self.bias)
+            if self.bias is not None:
+                y = y.add_(self.bias)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 

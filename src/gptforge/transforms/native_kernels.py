@@ -33,7 +33,8 @@ ISA_ENV = "GPTFORGE_NATIVE_ISA"
 ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
-SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp")
+SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp",
+           "int8_rows.cpp")
 # -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
 # compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
 OPENMP_FLAGS = ("-fopenmp",) if torch._C.has_openmp else ()
@@ -232,3 +233,14 @@ def fp32_rows(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: i
     """`fp32_gemv` for x [rows, K]: [rows, n], each row's bits those `fp32_gemv` gives it alone (the
     rows share each weight block's loads; csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
     return getattr(torch.ops, _LIB).fp32_rows(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
+
+
+def int8_rows(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, step: float,
+              n: int, path: str | None = None, qmax: int = 127) -> torch.Tensor:
+    """x [rows, K] fp32 rounded to integers of `step` (nearest, ties to even, clamped to ±qmax <=
+    32767) times the int8 weight in `panels` (`transforms/int8.pack_panels`) transposed, summed
+    exactly in int32 (above qmax 127: per chunk of inputs, the chunks added as floats), then
+    scaled by float(step)·w_scale (+ bias): [rows, n] (csrc/int8_rows.cpp). AVX-512 CPUs take the
+    AVX2 path. The caller has checked `unavailable()`."""
+    code = min(ISA_CODES[path or isa()], ISA_CODES["avx2"])
+    return getattr(torch.ops, _LIB).int8_rows(x.contiguous(), panels, w_scale, bias, float(step), n, qmax, code)
