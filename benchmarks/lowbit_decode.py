@@ -185,8 +185,10 @@ def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[flo
 
 
 def _with_twin(name: str) -> tuple[str, ...]:
-    """`name` and, where the fused step can apply (not the real INT8 model, not llama.cpp), its Python-step twin."""
-    return (name, f"{name} {UNFUSED}") if name.startswith("gptforge") and not name.startswith("gptforge int8") else (name,)
+    """`name` and, where the fused step can apply (not llama.cpp, not the real INT8 model on fbgemm's
+    paths), its Python-step twin."""
+    fbgemm = name.startswith("gptforge int8") and name.split()[-1] in ("split", "plain")
+    return (name, f"{name} {UNFUSED}") if name.startswith("gptforge") and not fbgemm else (name,)
 
 
 def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int]]:

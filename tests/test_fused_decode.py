@@ -2,11 +2,12 @@
 the Python ragged step it replaces (PyTorch's own ops, module by module): the logits of every step
 of a greedy decode equal bit for bit (torch.equal) for fp32 weights (the one-row GEMV, oneDNN's
 packed kernel, plain F.linear), weight-only int8 / int4 on the `native` and `native-q8a` kernels
-(AWQ's input scale included) and bf16 (block Linears and the head), float32 and int8 KV slots, on every instruction-set path this CPU
+(AWQ's input scale included) and bf16 (block Linears and the head), the real INT8 model on
+gptforge's int8 kernel (static activation steps, PACT), float32 and int8 KV slots, on every instruction-set path this CPU
 runs; and, with fp32 weights (the batch-invariant case), they equal the same sequence's logits
 decoded beside another sequence (the Python path: served output = generate whatever shares the
-batch). LoRA, MoE, bf16 slots, two sequences and `GPTFORGE_FUSED_DECODE=off` take the Python
-path."""
+batch). LoRA, MoE, bf16 slots, two sequences, INT8 layers with per-call steps or on fbgemm's paths and
+`GPTFORGE_FUSED_DECODE=off` take the Python path."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ import torch
 
 from gf_testutil import ISA_ORDER, packed_rows_invariant, skip_unless_runs, tiny_model
 from gptforge.adapters.inject import apply_lora
-from gptforge.config.schema import LoraConfig
+from gptforge.compress.ptq import calibrate
+from gptforge.config.schema import LoraConfig, QuantizationConfig
 from gptforge.errors import UsageError
 from gptforge.generate import fused_step
 from gptforge.generate.backend import TorchBackend
 from gptforge.generate.slots import RaggedSlots, Segment
-from gptforge.transforms import native_kernels
+from gptforge.transforms import cpu_kernels, native_kernels
+from gptforge.transforms import int8 as int8_mod
+from gptforge.transforms.quant import quantize_model
 from gptforge.transforms.weight_only import KERNEL_ENV, WeightOnlyLinear, WeightOnlySpec, quantize_rtn_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,6 +61,16 @@ def _weight_only(model, bits, group, sym=True, awq=False, head_bits=8):
         lin = model.blocks[0].linear1
         s = torch.rand(lin.in_features, generator=torch.Generator().manual_seed(5)) + 0.5
         m.blocks[0].linear1 = WeightOnlyLinear.from_float(lin.weight, lin.bias, bits, group, sym, act_scale=s)
+    return m
+
+
+def _int8(model, **quant):
+    """The real INT8 model of `model` (fake-quant, calibrated on random ids, converted; int8 head)."""
+    m = copy.deepcopy(model)
+    quantize_model(m, QuantizationConfig(enable=True, **quant))
+    g = torch.Generator().manual_seed(7)
+    calibrate(m, [torch.randint(0, m.wte.num_embeddings, (2, 16), generator=g) for _ in range(3)], "moving_average")
+    int8_mod.convert_model(m.eval(), int8_embedding=True)
     return m
 
 
@@ -133,6 +147,15 @@ def test_every_isa_path(built, monkeypatch, base, path, kind):
     _same_as_python(MODELS[kind](base), monkeypatch)
 
 
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("pact", [None, "PACT"])
+def test_the_real_int8_model_on_the_native_kernel(built, monkeypatch, base, kv, pact):
+    if not int8_mod.native_ready():
+        pytest.skip("gptforge's int8 kernel runs no vector path here")
+    monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "native")
+    _same_as_python(_int8(base, activation_preprocess_type=pact, pact_init=3.0), monkeypatch, kv=kv)
+
+
 def test_plain_linears_without_packing(built, monkeypatch, base):
     _same_as_python(base, monkeypatch, prepack=False)
 
@@ -141,8 +164,12 @@ def test_what_keeps_the_python_path(built, monkeypatch, base):
     lora = copy.deepcopy(base)
     apply_lora(lora, LoraConfig(r=4, alpha=8, targets=["q", "v", "linear2"]))
     moe = _varied(tiny_model("Model.num_experts=4", "Model.expert_interval=1")[0])
-    for model, kw in ((lora, {}), (moe, {}), (base, {"kv": "bfloat16"}), (base, {"partner": True})):
+    per_call = _int8(base, activation_quantize_type="abs_max")  # its step depends on each call's input
+    for model, kw in ((lora, {}), (moe, {}), (base, {"kv": "bfloat16"}), (base, {"partner": True}), (per_call, {})):
         assert _decode(model, **kw)[1] == 0
+    monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "split")  # fbgemm's paths stay in Python
+    assert _decode(_int8(base))[1] == 0
+    monkeypatch.delenv(cpu_kernels.KERNEL_ENV)
     monkeypatch.setenv(native_kernels.ISA_ENV, "off")  # no native kernels: no native attention, no fusion
     assert _decode(base)[1] == 0
 

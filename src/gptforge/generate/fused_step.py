@@ -13,10 +13,12 @@ whatever shares the batch.
 
 It applies to plain GPT blocks (no MoE, no hooks, no wrapped or adapted Linears) whose Linears
 run as the backend runs them for one fp32 row: its packed copies (`_linear_ops`: the one-row
-GEMV or oneDNN's packed kernel), plain `nn.Linear`, or weight-only int8 / int4 / bf16 layers on
-the `native` / `native-q8a` kernels (their own `kernel_for` choice). Anything else (LoRA, MoE,
-the real INT8 model, bf16 KV slots, prefill, several sequences, tensor parallel) keeps the
-Python path, as does `GPTFORGE_FUSED_DECODE=off` and any machine without the native kernels.
+GEMV or oneDNN's packed kernel), plain `nn.Linear`, weight-only int8 / int4 / bf16 layers on
+the `native` / `native-q8a` kernels (their own `kernel_for` choice), or real INT8 layers with
+static activation steps on gptforge's `native` int8 kernel (`transforms/int8.kernel_path`).
+Anything else (LoRA, MoE, INT8 layers on fbgemm or with per-call steps, bf16 KV slots, prefill,
+several sequences, tensor parallel) keeps the Python path, as does `GPTFORGE_FUSED_DECODE=off`
+and any machine without the native kernels.
 """
 
 from __future__ import annotations
@@ -30,19 +32,21 @@ from torch import nn
 
 from gptforge.model.gpt import BLOCK_LINEARS, GPT, Block, SelfAttention
 from gptforge.transforms import native_kernels
+from gptforge.transforms.cpu_kernels import KERNEL_ENV as INT8_KERNEL_ENV
 from gptforge.transforms.cpu_kernels import requested_choice
+from gptforge.transforms.int8 import Int8Linear, fast_kernel_available, kernel_path
 from gptforge.transforms.weight_only import KERNEL_ENV, WeightOnlyLinear
 
 FUSED_ENV = "GPTFORGE_FUSED_DECODE"
 CHOICES = ("auto", "off")
 # How a Linear runs (csrc/fused_decode.cpp's `Kind`).
-GEMV, PACKED, PLAIN, WEIGHT_ONLY, WEIGHT_ONLY_Q8A = range(5)
+GEMV, PACKED, PLAIN, WEIGHT_ONLY, WEIGHT_ONLY_Q8A, INT8 = range(6)
 
 
 def env_key() -> tuple:
     """What decides whether and how the fused step runs: the forcing variables (re-read every step)."""
     env = os.environ
-    return env.get(FUSED_ENV), env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV)
+    return env.get(FUSED_ENV), env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV), env.get(INT8_KERNEL_ENV)
 
 
 def enabled() -> bool:
@@ -101,7 +105,10 @@ def build(model: nn.Module, linear_ops: dict) -> FusedDecode | None:
             return None
         plan.add_layer(*layer)
         for args in lins:
-            plan.add_linear(*args)
+            if args[0] == INT8:
+                plan.add_int8_linear(*args[1:])
+            else:
+                plan.add_linear(*args)
     n = model.norm
     plan.set_final_norm(n.weight, n.bias, n.eps)
     return FusedDecode(plan, model)
@@ -159,4 +166,9 @@ def _linear(mod: nn.Module, linear_ops: dict, isa: int) -> tuple | None:
         scale, zero = mod.native_operands()
         return (kind, mod.weight, scale, zero, mod.bias, getattr(mod, "act_scale", None), mod.out_features,
                 mod.bits, isa)
+    if type(mod) is Int8Linear and "forward" not in mod.__dict__ and mod.static_act and _plain(mod.bias):
+        if not fast_kernel_available() or kernel_path(mod.kernel) != "native":
+            return None  # fbgemm's paths (or the dequantized fallback) stay in Python
+        step, clip = mod.static_grid()  # as Int8Linear.forward quantizes its input
+        return INT8, mod.panels(), mod.weight_scale, mod.bias, mod.out_features, step, clip, isa
     return None

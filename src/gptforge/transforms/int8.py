@@ -226,17 +226,28 @@ class Int8Linear(_Int8Weights):
             self._scalars_key = key
         return self._scalars_val
 
+    def static_grid(self) -> tuple[float, float] | None:
+        """(step, clip) of the input's quantization for a static-step layer (clip: min(qmax · step,
+        PACT alpha)), None where the step is taken per call."""
+        if not self.static_act:
+            return None
+        step, alpha = self._scalars()
+        return step, min(qmax_for(self.act_bits) * step, alpha)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != torch.float32:
             x2 = x2.float()
         qm = qmax_for(self.act_bits)
-        step, alpha = self._scalars()
-        if not self.static_act:  # the step of the PACT-clipped input, as the fake-quant layer computes it
+        grid = self.static_grid()
+        if grid is None:  # the step of the PACT-clipped input, as the fake-quant layer computes it
+            alpha = self._scalars()[1]
             amax = x2.detach().abs().amax().clamp_max(alpha)
             step = float((amax / qm).clamp_min(EPS))
-        clip = min(qm * step, alpha)
+            clip = min(qm * step, alpha)
+        else:
+            step, clip = grid
         xc = x2.clamp(-clip, clip)
         if self._use_fast(x2):
             y = self._matmul_exact(xc, step, self.bias)

@@ -12,11 +12,13 @@
 //
 // A Linear runs as the backend would run it for one fp32 row: the one-row GEMV in the packed
 // kernel's order (fp32_gemv.cpp), oneDNN's packed kernel (mkldnn::_linear_pointwise, as
-// generate/backend.py calls it), F.linear (at::linear), or the weight-only kernels
-// (weight_only_gemv.cpp / weight_only_q8a.cpp) after AWQ's input division.
+// generate/backend.py calls it), F.linear (at::linear), the weight-only kernels
+// (weight_only_gemv.cpp / weight_only_q8a.cpp) after AWQ's input division, or a real INT8 layer
+// with a static activation step on gptforge's int8 kernel (int8_rows.cpp) after its clip.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
@@ -25,23 +27,26 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "kernels.h"
 
 namespace {
 
 // How one Linear runs (generate/fused_step.py names the same kinds).
-enum Kind : int64_t { kGemv = 0, kPacked = 1, kPlain = 2, kWeightOnly = 3, kWeightOnlyQ8a = 4 };
+enum Kind : int64_t { kGemv = 0, kPacked = 1, kPlain = 2, kWeightOnly = 3, kWeightOnlyQ8a = 4, kInt8 = 5 };
 
 struct Linear {
   int64_t kind = kPlain;
   at::Tensor w;  // 64-output blocks (kGemv), oneDNN's packed copy (kPacked), the fp32 weight (kPlain),
-                 // the stored int8 / packed int4 / bf16 weight (weight-only kinds)
+                 // the stored int8 / packed int4 / bf16 weight (weight-only kinds), int8 panels (kInt8)
   c10::optional<at::Tensor> scale, zero, bias, act_scale;
   int64_t n = 0, bits = 0, isa = 0;
+  double step = 0, clip = 0;  // kInt8: the static activation step and the clip before rounding
 };
 
 struct Norm {
@@ -76,6 +81,16 @@ struct DecodePlan : torch::CustomClassHolder {
     linears.push_back(Linear{kind, w, scale, zero, bias, act_scale, n, bits, isa});
   }
 
+  // A real INT8 layer (transforms/int8.py, static activations, `native` path): its panels, weight
+  // steps and bias, its activation step and clip (min(qmax * step, PACT alpha)).
+  void add_int8_linear(at::Tensor panels, at::Tensor w_scale, c10::optional<at::Tensor> bias, int64_t n, double step,
+                       double clip, int64_t isa) {
+    TORCH_CHECK(step > 0 && clip > 0, "an INT8 Linear needs a positive step and clip");
+    Linear l{kInt8, panels, w_scale, c10::nullopt, bias, c10::nullopt, n, 8, isa};
+    l.step = step, l.clip = clip;
+    linears.push_back(l);
+  }
+
   void set_final_norm(at::Tensor w, at::Tensor b, double eps) {
     final_norm = Norm{w, b, eps};
     has_final = true;
@@ -102,6 +117,14 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
       return packed_linear(l, x);
     case kPlain:
       return at::linear(x, l.w, l.bias);
+    case kInt8: {  // Int8Linear.forward: rows of x, the clip, the exact int8 product (+ bias), the view back
+      const at::Tensor xc = at::clamp(x.reshape({-1, x.size(-1)}), -l.clip, l.clip);
+      std::vector<int64_t> sizes = x.sizes().vec();
+      sizes.back() = l.n;
+      return gptforge_wo::int8_rows(xc.contiguous(), l.w, *l.scale, l.bias, l.step, l.n, 127,
+                                    std::min<int64_t>(l.isa, gptforge_wo::kAvx2))  // AVX-512: its AVX2 path
+          .view(sizes);
+    }
     default: {  // WeightOnlyLinear.matmul: rows of x, AWQ's division, the kernel, the view back
       at::Tensor x2 = x.reshape({-1, x.size(-1)});
       if (l.act_scale.has_value()) x2 = at::div(x2, *l.act_scale);
@@ -177,6 +200,7 @@ TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
       .def(torch::init<>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("add_linear", &DecodePlan::add_linear)
+      .def("add_int8_linear", &DecodePlan::add_int8_linear)
       .def("set_final_norm", &DecodePlan::set_final_norm);
   m.def("fused_decode", &fused_decode);
 }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "kernels.h"
 
 namespace {
 

@@ -31,4 +31,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N,
                      int64_t isa);
 
+// gptforge_wo::int8_rows (int8_rows.cpp): x [M, K] rounded to integers of `step` (±qmax) times packed
+// int8 weights, summed exactly, scaled by float(step) * w_scale (+ bias).
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias, double step, int64_t N, int64_t qmax, int64_t isa);
+
 }  // namespace gptforge_wo
