@@ -11,7 +11,7 @@ The kernel. fbgemm multiplies unsigned activation bytes by signed weight bytes. 
 without VNNI it uses `vpmaddubsw`, which adds two products into a *saturating* int16: a pair
 of bytes near 255 times weights near 127 overflows, and with the usual zero point of 128 that
 happens all the time (measured on AVX2: 20 dB against exact int8 arithmetic per layer). Values
-of at most 127 cannot overflow (2 x 127 x 127 < 32767). Two paths (`cpu_kernels.py` chooses):
+of at most 127 cannot overflow (2 x 127 x 127 < 32767). Three paths (`cpu_kernels.py` chooses):
 
 - `split`: each activation row q in ±127 goes through the GEMM as two rows, max(q, 0) and
   max(-q, 0), with zero point 0, and the results are subtracted: exact integer arithmetic on
@@ -92,7 +92,7 @@ def pack_panels(w_int8: torch.Tensor) -> torch.Tensor:
 
 
 class _Int8Weights(nn.Module):
-    """int8 weight [out, in] + step, with a lazily built fbgemm packing of them."""
+    """int8 weight [out, in] + step, with lazily built packings of them (fbgemm's, or `native`'s panels)."""
 
     kernel: str | None = None  # fbgemm path: None/auto = $GPTFORGE_INT8_KERNEL, else the probe's choice
 
