@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gf_testutil import tiny_model
+from gf_testutil import skip_unless_runs, tiny_model
 from gptforge.generate.backend import TorchBackend
 from gptforge.generate.engine import EngineCore, Request, SamplingParams, SchedulerConfig, TokenEvent
 from gptforge.generate.engine.runner import stack_rows
@@ -38,7 +38,18 @@ def test_log_probs_of_some_rows_are_bitwise_those_of_all_rows():
     assert torch.equal(part, full[[6, 0, 3]])
 
 
-def test_row_argmax_is_torch_argmax():
+@pytest.mark.parametrize("route", ["native avx2", "native scalar", "amax blocks"])
+def test_row_argmax_is_torch_argmax(route, monkeypatch):
+    from gptforge.transforms import native_kernels
+
+    if route == "amax blocks":  # where gptforge's kernels do not run
+        monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    else:
+        if native_kernels.unavailable() is not None:
+            pytest.skip(f"gptforge's CPU kernels are unavailable: {native_kernels.unavailable()}")
+        path = route.split()[1]
+        skip_unless_runs(path, native_kernels.cpu_isa())
+        monkeypatch.setenv(native_kernels.ISA_ENV, path)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 50257, generator=g)
     x[1, 50250] = 9.0  # the maximum only in the partial last block
@@ -49,7 +60,9 @@ def test_row_argmax_is_torch_argmax():
     x[5, 3], x[5, 900] = -0.0, 0.0
     x[6, [64, 63]] = 7.0  # ties across a block edge
     x[7, 128] = float("inf")
-    for t in (x, x[:, :130], x[:, :100], x[2:9], torch.cat([x, x], 0)[::2]):
+    x[8, [9, 50256]] = float("nan")  # the first NaN wins
+    x[9, 50256] = float("nan")  # NaN only in the tail of the vector steps
+    for t in (x, x[:, :130], x[:, :100], x[:, :15], x[:, :1], x[2:10], torch.cat([x, x], 0)[::2], x[:, 1:]):
         assert torch.equal(row_argmax(t), t.argmax(dim=-1))
     assert torch.equal(row_argmax(x.double()), x.double().argmax(dim=-1))
 

@@ -85,7 +85,11 @@ class FusedDecode:
 
 @functools.lru_cache(maxsize=1)
 def _op():
-    return torch.ops.gptforge_wo.fused_decode
+    # The C++ function under the op: torch's Python wrappers of an op that takes a script object (the
+    # plan) search every argument (lists of KV tensors) for fake script objects on each call, ~0.1 ms
+    # a step; only tracing passes fake ones, and nothing traces this step.
+    overload = torch.ops.gptforge_wo.fused_decode.default
+    return getattr(overload, "_op", overload)
 
 
 def build(model: nn.Module, linear_ops: dict) -> FusedDecode | None:

@@ -34,7 +34,7 @@ ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
 SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp",
-           "int8_rows.cpp")
+           "int8_rows.cpp", "row_argmax.cpp")
 # -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
 # compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
 OPENMP_FLAGS = ("-fopenmp",) if torch._C.has_openmp else ()
@@ -233,6 +233,17 @@ def fp32_rows(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: i
     """`fp32_gemv` for x [rows, K]: [rows, n], each row's bits those `fp32_gemv` gives it alone (the
     rows share each weight block's loads; csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
     return getattr(torch.ops, _LIB).fp32_rows(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
+
+
+def row_argmax(x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of fp32 scores [R, V] (the first maximum; a NaN counts as the maximum):
+    int64 [R] (csrc/row_argmax.cpp). The caller has checked `unavailable()`."""
+    return _argmax_op()(x.contiguous(), ISA_CODES[path or isa()])
+
+
+@functools.lru_cache(maxsize=1)
+def _argmax_op():
+    return getattr(torch.ops, _LIB).row_argmax
 
 
 def int8_rows(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, step: float,
