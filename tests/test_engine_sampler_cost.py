@@ -107,3 +107,29 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens_scores_and_log_probs(m
         assert got[2] == alone[2]  # asked-for log-probs whatever keep_scores says
     assert together[1][2] and all(lp is not None for lp in together[1][2])
     assert together[0][0] == together[4][0] and together[4][1] < 0
+
+
+def test_built_in_processors_get_the_history_length_and_the_callers_own_get_its_ids(model):
+    """The built-in processors read only the history's length, so the sampler skips building the
+    token tensor for them; a caller's own processor still sees every token."""
+    from gptforge.generate.engine.sampler import Sampler
+    from gptforge.generate.processors import MinNewTokens, ProcessorList, VocabLimit
+
+    assert not ProcessorList([MinNewTokens(3, 2, [1]), VocabLimit(5)]).reads_ids
+    seen = []
+
+    def own(ids, scores):
+        seen.append(ids.clone())
+        return scores
+
+    assert ProcessorList([VocabLimit(5), own]).reads_ids
+    for extra in ((), (own,)):
+        with TorchBackend(model) as be:
+            core = EngineCore(slots_for(be), eos_token_ids=[0], vocab_limit=50, max_positions=be.max_positions,
+                              scheduler=SchedulerConfig(max_batch_size=4))
+            core.sampler = Sampler([0], 50, torch.device("cpu"), extra)
+            seq = core.add(Request([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, min_tokens=2)),
+                           bounded=False)[0]
+            core.run()
+        assert len(seq.generated) == 4 and all(t < 50 and t != 0 for t in seq.generated[:2])
+    assert [h.tolist() for h in seen] == [[PROMPTS[0] + seq.generated[:i]] for i in range(4)]

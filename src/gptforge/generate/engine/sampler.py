@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.generate.engine.params import SamplingParams
-from gptforge.generate.processors import LogitsProcessor, ProcessorList, build_processors, build_warpers
+from gptforge.generate.processors import (
+    NO_TOKEN,
+    LogitsProcessor,
+    ProcessorList,
+    build_processors,
+    build_warpers,
+)
 from gptforge.transforms import native_kernels
 
 _BLOCK = 64
@@ -126,12 +132,14 @@ class Sampler:
         else:
             scores = None if whole else torch.empty_like(logits)
         probs = torch.empty_like(logits) if any_sampled and not whole else None
-        for idx in groups.values():
+        for key, idx in groups.items():
             s0 = rows[idx[0]][0].sampling
             hist = None
-            if s0.processors or s0.warpers:
+            if (s0.processors and s0.processors.reads_ids) or (s0.warpers and s0.warpers.reads_ids):
                 hist = torch.tensor([rows[r][0].tokens + list(rows[r][1]) for r in idx], dtype=torch.long,
                                     device=logits.device)
+            elif s0.processors or s0.warpers:  # they read only its length (the group's, by its key)
+                hist = torch.full((1, 1), NO_TOKEN, dtype=torch.long, device=logits.device).expand(len(idx), key[2])
             if scores is logits and s0.warpers is None:
                 continue  # one greedy group without processors: the scores are the logits (no copy)
             sel = None if whole else torch.tensor(idx, dtype=torch.long, device=logits.device)
