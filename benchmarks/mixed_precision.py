@@ -90,6 +90,7 @@ def analysis_summary(path: Path, float_params: int) -> dict:
             "blocks_share_of_planned": sum(params[n] for n in blocks) / planned,
             "blocks_share_of_all": sum(params[n] for n in blocks) / float_params,
             "head_increase4": inc["wte"][0], "blocks_increase4": sum(inc[n][0] for n in blocks),
+            "head_rows_ladder": (state.get("head_rows") or {}).get("ladder"),
             "layers": sorted(([n, params[n], *inc[n]] for n in inc), key=lambda r: -r[2])}
 
 
@@ -112,6 +113,7 @@ def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: P
             "avg_bits": spec.get("avg_bits", 32.0), "stored_bits": spec.get("stored_bits", 32.0),
             "head_bits": bits.get("wte", spec.get("head_bits", 32)),
             "layers_at_8": sorted(n for n, b in bits.items() if b == 8) if bits else None,
+            "head_rows8": len(spec.get("head_rows8") or []),
             "predicted_kl": plan["predicted_increase"] if plan else None}
 
 
@@ -225,6 +227,7 @@ def main() -> None:
         print(f"{name:38} bpb {r['bits_per_byte']:.4f}  ppl {r['ppl']:.3f}  {r['tensor_bytes']} B  bits "
               f"{r['avg_bits']:.3f} own / {r['stored_bits']:.3f} stored"
               + (f", 8-bit: {', '.join(r['layers_at_8'])}" if r["layers_at_8"] else "")
+              + (f", head rows at 8: {r['head_rows8']}" if r["head_rows8"] else "")
               + f"  ({r['quantize_s']:.0f}s, load {os.getloadavg()[0]:.1f})", flush=True)
         if name == "float":
             rec["analysis"] = analysis_summary(sens / "analysis.json", r["tensor_bytes"] // 4)

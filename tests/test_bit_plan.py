@@ -113,3 +113,52 @@ def test_infeasible_budgets_name_the_minimum():
         make_plan(rows, 100, avg_bits=3.5)
     with pytest.raises(bit_plan.UsageError, match="one budget"):
         make_plan(rows, 100, avg_bits=5, max_bytes=10**9)
+
+
+def _brute_groups(costs, gains, groups, capacity):
+    best = 0.0
+    options = {}
+    for i, g in enumerate(groups):
+        options.setdefault(g, [None]).append(i)
+    for pick in itertools.product(*options.values()):
+        chosen = [i for i in pick if i is not None]
+        if sum(costs[i] for i in chosen) <= capacity:
+            best = max(best, sum(gains[i] for i in chosen))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_knapsack_with_groups_takes_at_most_one_per_group_and_equals_brute_force(seed):
+    """The head's options (its top k rows at 8 bits, or all) are one group: at most one is bought."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 10)
+    groups = [rng.randint(0, 3) for _ in range(n)]
+    costs = [rng.choice([0, 1, 2, 3, 5, 8]) * rng.choice([1, 4]) for _ in range(n)]
+    gains = [rng.choice([-1.0, 0.0, 0.5, 1.0, 2.0, 3.5, 4.0]) for _ in range(n)]
+    capacity = rng.randint(0, sum(costs) + 2)
+    chosen, exact = knapsack(costs, gains, capacity, groups=groups)
+    got, spent = _gain(costs, gains, chosen)
+    assert exact and spent <= capacity
+    assert all(sum(c for c, g in zip(chosen, groups, strict=True) if g == k) <= 1 for k in set(groups))
+    assert got == pytest.approx(_brute_groups(costs, gains, groups, capacity), abs=1e-12)
+
+
+def test_plan_buys_head_rows_when_the_whole_head_does_not_fit():
+    """A head too large for the budget at 8 bits still gets its most useful rows at 8."""
+    def row(name, params, inc4, options=()):
+        return {"name": name, "params": params, "bytes": {"4": params // 2, "8": params}, "float_bytes": 4 * params,
+                "increase": {"4": inc4, "8": 0.0}, **({"options": list(options)} if options else {})}
+
+    vocab, dim = 64, 16
+    head = row("wte", vocab * dim, 1.0, [{"rows8": k, "params8": k * dim, "increase": inc,
+                                          "bytes": vocab * dim // 2 + k * dim // 2}
+                                         for k, inc in ((8, 0.4), (16, 0.2), (32, 0.1))])
+    rows = [row("a", 512, 0.05), head]
+    order = list(range(vocab))[::-1]
+    plan = make_plan(rows, 0, avg_bits=5.0, head_order=order)  # 0.25 bits x 1536 = 1536 extra: 24 head rows
+    got = {r["name"]: r for r in plan.rows}
+    assert got["wte"]["bits"] == 4 and got["wte"]["rows8"] == 16 and got["a"]["bits"] == 4
+    assert plan.head_rows8 == sorted(order[:16]) and plan.increase == pytest.approx(0.25)
+    assert plan.avg_bits == pytest.approx((4 * 1536 + 4 * 16 * dim) / 1536) and plan.avg_bits <= 5.0
+    assert "16 rows at 8" in bit_plan.plan_markdown(plan) and bit_plan.plan_json(plan)["head_rows8"] == 16
+    assert make_plan(rows, 0, avg_bits=8, head_order=order).layer_bits == {"a": 8, "wte": 8}

@@ -65,6 +65,15 @@ def test_analyze_has_one_finite_row_per_linear_and_the_head(float_dir, analysis,
     assert max(state["layers"], key=lambda n: state["layers"][n]["sensitivity"]) == "wte"
     txt = (analysis.parent / "analysis.txt").read_text()
     assert all(n in txt for n in names)
+    # the head's rows: a ranking of every row and the measured ladder, more rows at 8 bits costing less
+    hr = state["head_rows"]
+    vocab = m.wte.num_embeddings
+    assert hr["score"] == "fisher" and sorted(hr["order"]) == list(range(vocab))
+    ks = [r["rows8"] for r in hr["ladder"]]
+    assert ks == sorted(ks) and ks[0] > 0 and ks[-1] < vocab and len(ks) >= 8
+    inc = [r["increase"] for r in hr["ladder"]]
+    assert inc[-1] < inc[0] < state["layers"]["wte"]["sensitivity"] and inc[-1] > state["layers"]["wte"]["sensitivity8"]
+    assert f"rows8: increase): {ks[0]}: " in txt
     # the same command again resumes every layer from the state file
     src, text = float_dir
     code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--calib", text, *CALIB,
@@ -129,19 +138,27 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
         plan["stored_bits"])
     assert f"{plan['avg_bits']:.3f} bits per planned weight ({plan['stored_bits']:.3f} stored with scales)" in stdout
     q, _ = load_model(out)
+    rows8 = read_spec(out).head_rows8
+    # the tiny model's head is most of its weights: at 4.6 bits the plan keeps its most used rows at 8
+    assert 0 < len(rows8) == plan["head_rows8"] < q.wte.num_embeddings and list(rows8) == sorted(set(rows8))
+    assert saved["head_rows8"] == list(rows8) and torch.equal(q.wte.rows8, torch.tensor(rows8))
     for name, mod in planned_layers(q):
-        assert mod.bits == bits[name], name
+        if name != "wte":
+            assert mod.bits == bits[name], name
+    assert (q.wte.hot.bits, q.wte.cold.bits) == (8, 4)
     assert plan["total_bytes"] == sum(t.numel() * t.element_size() for t in q.state_dict().values())
-    _check_bits(q, bits, plan)
-    # the plan applied in memory: quantize_rtn_model with the same per-layer bits
+    _check_bits(q, bits, plan, rows8)
+    # the plan applied in memory: quantize_rtn_model with the same per-layer bits and head rows
     mem, _ = load_model(src)
-    quantize_rtn_model(mem, WeightOnlySpec(bits=4, group_size=32, layer_bits=bits))
-    # and a reference no weight-only module computes: a float model with each weight rounded here
+    quantize_rtn_model(mem, WeightOnlySpec(bits=4, group_size=32, layer_bits=bits, head_rows8=rows8))
+    # and a reference no weight-only module computes: a float model with each weight (each head row) rounded here
     ref, _ = load_model(src)
     with torch.no_grad():
         for name, mod in planned_layers(ref):
             w = mod.weight
             w.copy_(_rounded(w.float(), bits[name]))
+        hot = list(rows8)
+        ref.wte.weight[hot] = _rounded(load_model(src)[0].wte.weight[hot].float(), 8)
     ids = torch.randint(0, 4096, (2, 16))
     with torch.no_grad():
         lq, lm, lr = q(ids).logits, mem(ids).logits, ref(ids).logits
@@ -155,12 +172,14 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
     assert code == 0 and "int4 sym group 32" in stdout and "int8 sym group 32" in stdout, err
 
 
-def _check_bits(q, bits, plan):
+def _check_bits(q, bits, plan, rows8=()):
     """The plan's two bit counts, recounted here from the loaded model's tensors."""
     n = own = stored = 0
-    for name, mod in planned_layers(q):
+    tables = [(n, m, bits[n]) for n, m in planned_layers(q) if n != "wte"]
+    tables += [("wte.hot", q.wte.hot, 8), ("wte.cold", q.wte.cold, 4)] if rows8 else [("wte", q.wte, bits["wte"])]
+    for name, mod, b in tables:
         k = mod.in_features * mod.out_features
-        n, own = n + k, own + bits[name] * k
+        n, own = n + k, own + b * k
         # packed weight + fp32 scales (groups of 32), no zeros (symmetric); biases are not weights
         assert set(mod.state_dict()) - {"bias"} == {"weight", "weight_scale"}, name
         stored += 8 * (mod.weight.numel() * mod.weight.element_size() + 4 * mod.weight_scale.numel())

@@ -188,10 +188,14 @@ def _weights(args: argparse.Namespace) -> int:
           f"({args.method}), {a.metric_label}; calibration {r.calibration}"
           + (f" ({a.resumed} layers resumed)" if a.resumed else ""))
     lines = (r.files["txt"]).read_text(encoding="utf-8").splitlines()[2:]
+    notes = [ln for ln in lines[1:] if ln.startswith("#")]  # the head-row ladder, after the ranking
+    lines = [ln for ln in lines if ln not in notes]
     show = args.show or len(lines)
     print("\n".join(lines[:show + 1]))
     if len(lines) > show + 1:
         print(f"      ... {len(lines) - show - 1} more in {r.files['txt']}")
+    if notes:
+        print("\n".join(notes))
     print("wrote " + ", ".join(str(p) for p in r.files.values()))
     print(f"plan from it: gptforge quantize --ckpt {args.ckpt} --weights int4 --group-size {args.group_size} "
           f"--avg-bits 4.5 --sensitivity {r.files['json']} --out DIR")

@@ -102,9 +102,7 @@ def gptq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tenso
     from gptforge.compress.layerwise import calibrated_walk
 
     def quantize(name: str, H: torch.Tensor) -> None:
-        w = model.get_submodule(name).weight.detach().float()
-        bits = spec.bits_for(name)
-        quantize_layer(model, name, spec, gptq_quantize(w, H, bits, spec.group_size, spec.sym, damp=damp,
-                                                        act_order=act_order))
+        quantize_layer(model, name, spec, rounder=lambda w, bits: gptq_quantize(
+            w, H, bits, spec.group_size, spec.sym, damp=damp, act_order=act_order))
 
     return calibrated_walk(model, spec, batches, _Hessian, quantize, desc="gptq", progress=progress)

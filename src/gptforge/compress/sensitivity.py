@@ -221,6 +221,7 @@ class Analysis:
     complete: bool = True
     resumed: int = 0  # layers taken from an earlier run's state file
     seconds: float = 0.0
+    head_rows: dict | None = None  # weight-only mode: the head's row ranking and ladder (`head_rows`)
 
     def ranked(self) -> list[LayerResult]:
         """Most sensitive first (ties keep model order)."""
@@ -244,6 +245,7 @@ class Analysis:
                         for i, r in enumerate(self.ranked())],
             "seconds": self.seconds,
             "fingerprint": fingerprint or {},
+            **({"head_rows": self.head_rows} if self.head_rows is not None else {}),
         }
 
 

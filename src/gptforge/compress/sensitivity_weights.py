@@ -18,11 +18,13 @@ GPTQ from its inputs in the float model (the other layers float, as the measurem
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from gptforge.compress import head_rows
 from gptforge.compress import sensitivity as sens
 from gptforge.errors import UsageError
 from gptforge.transforms import lowbit
@@ -112,8 +114,48 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
                 values.append(m(model))
         return values[0], (values[1] if eight_bits else None)
 
-    return sens.run_layers(model, m, MODE, names, lambda: m(model), evaluate, state_path=state_path,
-                           fingerprint=fingerprint, resume=resume, progress=progress, reference=reference)
+    a = sens.run_layers(model, m, MODE, names, lambda: m(model), evaluate, state_path=state_path,
+                        fingerprint=fingerprint, resume=resume, progress=progress, reference=reference)
+    if HEAD in names and spec.bits_for(HEAD) in (4, 8):
+        a.head_rows = _earlier_head_rows(state_path, resume, len(model.wte.weight))
+        if a.head_rows is None:
+            a.head_rows = head_row_ladder(model, spec, batches, m, a.base_value, hs.get(HEAD), damp, act_order,
+                                          progress)
+            if state_path is not None:
+                sens._write_state(Path(state_path), a, sens.full_fingerprint(fingerprint, MODE, m.name, names))
+    return a
+
+
+def head_row_ladder(model: nn.Module, spec: WeightOnlySpec, batches: list[dict], m: sens.Metric, base: float,
+                    H: torch.Tensor | None = None, damp: float = 0.01, act_order: bool = False,
+                    progress: bool = False) -> dict:
+    """The head's rows ranked by their estimated gain from 8 bits and the measured increase with
+    the top k at 8 bits for k on `head_rows.FRACTIONS` of the vocabulary (`head_rows`)."""
+    w = model.wte.weight.detach().float()
+    w4, w8 = (rounded_weight(w, b, spec, H, damp, act_order) for b in (4, 8))
+    order = head_rows.row_order(model, batches, w, w4, w8)
+    sizes = head_rows.ladder_sizes(len(w))
+    from gptforge.progress import bar
+
+    pbar = bar(total=len(sizes), desc="analyze (head rows)", unit="step", enabled=progress)
+
+    def measured(wq: torch.Tensor) -> float:
+        with sens._weight_replaced(_WeightHolder(model.wte.weight), wq):
+            return m(model) - base
+
+    try:
+        ladder = head_rows.measure_ladder(measured, w4, w8, order, sizes, progress=lambda k: pbar.update(1))
+    finally:
+        pbar.close()
+    return head_rows.head_rows_result(order, ladder)
+
+
+def _earlier_head_rows(state_path, resume: bool, vocab: int) -> dict | None:
+    """A complete earlier run's head-row ladder (`run_layers` has checked that the state file is of these inputs)."""
+    if state_path is None or not resume or not Path(state_path).is_file():
+        return None
+    hr = json.loads(Path(state_path).read_text(encoding="utf-8")).get("head_rows")
+    return hr if head_rows.read_head_rows({"head_rows": hr}, vocab) is not None else None
 
 
 class _WeightHolder:

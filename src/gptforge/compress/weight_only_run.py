@@ -155,7 +155,8 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
         plan = _plan(model, cfg, tokenizer, path, spec, budget, calib=calib, samples=samples, seq_len=seq_len,
                      damp=damp, act_order=act_order, progress=progress)
         # head_bits follows the plan too: weight_only.json must not say 8 where the head is at 4
-        spec = dataclasses.replace(spec, layer_bits=plan.layer_bits, head_bits=plan.layer_bits["wte"])
+        spec = dataclasses.replace(spec, layer_bits=plan.layer_bits, head_bits=plan.layer_bits["wte"],
+                                   head_rows8=tuple(plan.head_rows8))
     calibration = "none"
     if spec.method in ("gptq", "awq"):
         seq = min(seq_len, cfg.Model.max_position_embeddings)
@@ -186,6 +187,7 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
 def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **calib):
     """The plan of `budget` for the float `model`: increases from the given analysis or measured now."""
     from gptforge.compress import bit_plan
+    from gptforge.compress.head_rows import read_head_rows
     from gptforge.compress.sensitivity_run import checkpoint_digest
     from gptforge.compress.sensitivity_weights import calibration_batches, weight_sensitivity
     from gptforge.transforms.weight_only import planned_layers
@@ -210,9 +212,14 @@ def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **c
             a = weight_sensitivity(model, spec, batches, metric=budget.metric, method=method, damp=calib["damp"],
                                    act_order=calib["act_order"], progress=calib["progress"])
         increases = {n: (r.sensitivity, r.sensitivity8) for n, r in a.layers.items()}
+        state = {"head_rows": a.head_rows}
         source = f"measured by this run ({budget.metric}, {method})"
-    rows = bit_plan.layer_rows(model, spec, increases)
+    head = read_head_rows(state, model.wte.num_embeddings)
+    rows = bit_plan.layer_rows(model, spec, increases, head)
     plan = bit_plan.make_plan(rows, bit_plan.fixed_bytes(model, rows), avg_bits=budget.avg_bits,
-                              max_bytes=budget.max_bytes)
+                              max_bytes=budget.max_bytes, head_order=head["order"] if head else None)
+    if head is None:
+        plan.notes.append("the analysis has no head-row ladder (made by an older gptforge): the head is planned "
+                          "as one layer; analyse again to let the plan keep its most used rows at 8 bits")
     plan.source = source
     return plan

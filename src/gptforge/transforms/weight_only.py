@@ -26,8 +26,8 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
 does not cover (longer batches) and is a UsageError where the kernels cannot be built.
 Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at
-batch 1 in torch 2.13; `native` is the batch-1 path.
-"""
+batch 1 in torch 2.13; `native` is the batch-1 path. A plan's head may keep some rows at 8 bits
+(`weight_only_rows`)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from torch import nn
 from gptforge.errors import CheckpointError, UsageError
 from gptforge.transforms import lowbit, native_kernels
 from gptforge.transforms.cpu_kernels import probe_operands, requested_choice
+from gptforge.transforms.weight_only_rows import MixedRowsEmbedding, row_slots
 
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
@@ -66,6 +67,9 @@ class WeightOnlySpec:
     head_bits: int = 8
     method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
     layer_bits: dict[str, int] | None = dataclasses.field(default=None, hash=False)
+    # token ids (ascending) of the head rows kept at 8 bits while the head is at 4 (a plan's
+    # `MixedRowsEmbedding`); empty: the head is one table
+    head_rows8: tuple[int, ...] = dataclasses.field(default=(), hash=False)
 
     def bits_for(self, name: str) -> int:
         """The bit-width of block Linear `name` or of `wte` (the tied embedding / head)."""
@@ -81,7 +85,10 @@ class WeightOnlySpec:
         return dequantize_state_dict(sd, self)
 
     def save(self, d: Path, extra: dict | None = None) -> None:
-        (Path(d) / SPEC_FILE).write_text(json.dumps({**dataclasses.asdict(self), **(extra or {})}, indent=2) + "\n")
+        raw = {**dataclasses.asdict(self), **(extra or {}), "head_rows8": "@ROWS@"}
+        rows = json.dumps(list(self.head_rows8), separators=(",", ":"))  # one line, however many rows
+        text = json.dumps(raw, indent=2).replace('"@ROWS@"', rows)
+        (Path(d) / SPEC_FILE).write_text(text + "\n")
 
 
 def read_spec(d: str | Path) -> WeightOnlySpec | None:
@@ -93,6 +100,7 @@ def read_spec(d: str | Path) -> WeightOnlySpec | None:
         raw = json.loads(f.read_text(encoding="utf-8"))
         names = {fl.name for fl in dataclasses.fields(WeightOnlySpec)}
         spec = WeightOnlySpec(**{k: v for k, v in raw.items() if k in names})
+        spec = dataclasses.replace(spec, head_rows8=tuple(spec.head_rows8))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{f}: unreadable ({e}); copy it again from the quantized model") from None
     if spec.bits not in (4, 8, 16) or spec.head_bits not in (4, 8, 16, 32) or spec.group_size < 0:
@@ -102,6 +110,11 @@ def read_spec(d: str | Path) -> WeightOnlySpec | None:
            if not isinstance(k, str) or v not in ((4, 8, 16, 32) if k == "wte" else (4, 8, 16))]
     if bad:
         raise CheckpointError(f"{f}: layer_bits {bad[0]} not supported; the file is corrupted")
+    rows = spec.head_rows8
+    if rows and (spec.bits_for("wte") != 4 or not all(isinstance(r, int) and r >= 0 for r in rows)
+                 or any(a >= b for a, b in zip(rows, rows[1:], strict=False))):
+        raise CheckpointError(f"{f}: head_rows8 must be ascending token ids of a 4-bit head (its rows kept at 8 "
+                              "bits); the file is corrupted")
     return spec
 
 
@@ -349,15 +362,12 @@ def check_shapes(model: nn.Module, spec: WeightOnlySpec) -> None:
     from gptforge.model.gpt import block_linears
 
     g = spec.group_size
-    for name, lin in [*block_linears(model), ("wte (embedding / head)", _as_linear(model.wte))]:
-        if g and lin.in_features % g or lin.in_features % 2:
-            raise ConfigError(f"--group-size {g}: {name} has {lin.in_features} input columns, not a multiple of "
+    cols = [(n, lin.in_features) for n, lin in block_linears(model)] + [("wte (embedding / head)",
+                                                                        model.wte.embedding_dim)]
+    for name, k in cols:
+        if g and k % g or k % 2:
+            raise ConfigError(f"--group-size {g}: {name} has {k} input columns, not a multiple of "
                               f"{g or 2}; choose a group size that divides the hidden and FFN sizes")
-
-
-def _as_linear(emb: nn.Embedding) -> nn.Linear:
-    lin = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device="meta")
-    return lin
 
 
 def install_embedding(model: nn.Module, emb: WeightOnlyEmbedding) -> None:
@@ -378,30 +388,53 @@ def apply_structure(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
                                            bits=bits, group_size=spec.group_size, sym=spec.sym,
                                            act_scale=spec.method == "awq" and bits < 16, device=dev))
     if spec.bits_for("wte") < 32:
-        install_embedding(model, WeightOnlyEmbedding(model.wte.num_embeddings, model.wte.embedding_dim,
-                                                     bits=spec.bits_for("wte"), group_size=spec.group_size,
-                                                     sym=spec.sym, device=dev))
+        install_embedding(model, _head_structure(model.wte.num_embeddings, model.wte.embedding_dim, spec, dev))
     return model
+
+
+def _head_structure(vocab: int, dim: int, spec: WeightOnlySpec, device) -> nn.Module:
+    """The empty weight-only head of `spec`: one table, or 8-bit rows `head_rows8` beside 4-bit ones."""
+    bits, rows = spec.bits_for("wte"), spec.head_rows8
+    if not rows:
+        return WeightOnlyEmbedding(vocab, dim, bits=bits, group_size=spec.group_size, sym=spec.sym, device=device)
+    if rows[-1] >= vocab or len(rows) >= vocab:
+        raise CheckpointError(f"{SPEC_FILE}: head_rows8 names rows up to {rows[-1]} ({len(rows)} rows) of a "
+                              f"{vocab}-row head; the file belongs to another model")
+    parts = [WeightOnlyEmbedding(n, dim, bits=b, group_size=spec.group_size, sym=spec.sym, device=device)
+             for n, b in ((len(rows), 8), (vocab - len(rows), bits))]
+    return MixedRowsEmbedding(*parts, torch.tensor(rows, dtype=torch.long))
 
 
 @torch.no_grad()
 def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=None,
-                   act_scale: torch.Tensor | None = None) -> None:
+                   act_scale: torch.Tensor | None = None, rounder=None) -> None:
     """Swap block Linear `name` (or `wte`, the tied embedding / head) for its weight-only form:
-    rounded to nearest, or the given (q, scale, zero), or AWQ's `act_scale` then rounded."""
+    rounded to nearest, or the given (q, scale, zero), or by `rounder(w, bits)` -> (q, scale, zero)
+    (GPTQ; it also rounds each table of a `head_rows8` head on its own: rows round
+    independently), or AWQ's `act_scale` then rounded."""
     bits = spec.bits_for(name)
     if name == "wte":
         if bits == 32:
             return
         emb = model.wte
-        new = WeightOnlyEmbedding(emb.num_embeddings, emb.embedding_dim, bits=bits,
-                                  group_size=spec.group_size, sym=spec.sym, device=emb.weight.device)
-        src = WeightOnlyLinear.from_float(emb.weight.detach(), None, bits, spec.group_size, spec.sym,
-                                          quantized)
-        new.load_state_dict(src.state_dict())
+        w = emb.weight.detach()
+        new = _head_structure(emb.num_embeddings, emb.embedding_dim, spec, w.device)
+        parts = ((new, w, bits),)
+        if spec.head_rows8:
+            if quantized is not None:
+                raise ValueError("a head of two tables is rounded by `rounder`, not by one (q, scale, zero)")
+            hot = torch.zeros(len(w), dtype=torch.bool, device=w.device)
+            hot[list(spec.head_rows8)] = True
+            parts = ((new.hot, w[hot], 8), (new.cold, w[~hot], bits))
+        for part, rows, b in parts:
+            got = quantized if quantized is not None else rounder(rows.float(), b) if rounder and b < 16 else None
+            part.load_state_dict(WeightOnlyLinear.from_float(rows, None, b, spec.group_size, spec.sym,
+                                                             got).state_dict())
         install_embedding(model, new)
         return
     lin = model.get_submodule(name)
+    if rounder is not None and quantized is None and bits < 16:
+        quantized = rounder(lin.weight.detach().float(), bits)
     model.set_submodule(name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, bits, spec.group_size,
                                                   spec.sym, quantized, act_scale))
 
@@ -436,6 +469,9 @@ def dequantize_state_dict(sd: dict[str, torch.Tensor], spec: WeightOnlySpec) -> 
             if p + "act_scale" in sd:
                 v = v / sd[p + "act_scale"]
         out[k] = v
+    if spec.head_rows8 and "wte.hot.weight" in out:  # a head of two tables: rows back in token order
+        w = torch.cat([out.pop("wte.hot.weight"), out.pop("wte.cold.weight")])
+        out["wte.weight"] = w.index_select(0, row_slots(torch.tensor(spec.head_rows8), len(w)))
     return out
 
 
