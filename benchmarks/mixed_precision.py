@@ -43,6 +43,7 @@ SHAPES = {"small": (),  # qat_quality.SHAPE: hidden 128, 4 layers, FFN 512
           "wide": ("Model.hidden_size=256", "Model.num_layers=6", "Model.num_attention_heads=4",
                    "Model.ffn_hidden_size=1024")}
 MIXED = "mixed GPTQ --avg-bits 4.5"
+WHOLE = "mixed GPTQ --avg-bits 4.5, head whole"  # the plan as before head rows: an analysis without the ladder
 REFS = ("uniform int4 g64 GPTQ (head int4)", "int4 g64 GPTQ, head int8 (default)", "uniform int4 g32 GPTQ (head int4)")
 
 
@@ -55,9 +56,20 @@ def variants(default_bytes: int | None, sens: Path) -> dict[str, list[str] | Non
            "uniform int4 g32 GPTQ (head int4)": ["--weights", "int4", "--group-size", "32", "--method", "gptq",
                                                  "--head-bits", "4"],
            "uniform int4 g64 RTN (head int4)": [*G64, "--head-bits", "4"],
-           "mixed GPTQ --avg-bits 5": [*plan, "--avg-bits", "5"]}
+           "mixed GPTQ --avg-bits 5": [*plan, "--avg-bits", "5"],
+           WHOLE: [*G64, "--method", "gptq", "--sensitivity", str(whole_head(sens)), "--avg-bits", "4.5"]}
     if default_bytes is not None:
         out["mixed GPTQ --max-bytes = default's"] = [*plan, "--max-bytes", str(default_bytes)]
+    return out
+
+
+def whole_head(sens: Path) -> Path:
+    """A copy of the analysis without the head-row ladder: plans from it treat the head as one layer."""
+    out = sens.with_name("analysis_head_whole.json")
+    if sens.is_file():
+        state = json.loads(sens.read_text())
+        state.pop("head_rows", None)
+        out.write_text(json.dumps(state))
     return out
 
 
@@ -94,6 +106,24 @@ def analysis_summary(path: Path, float_params: int) -> dict:
             "layers": sorted(([n, params[n], *inc[n]] for n in inc), key=lambda r: -r[2])}
 
 
+@torch.no_grad()
+def heldout_kl(ckpt: Path, path: Path, text: Path, seq: int, tok) -> float:
+    """KL(float || variant) of the next-token distributions, nats per token, over the held-out text
+    in windows of `seq` tokens: the variant's damage alone, without the held-out loss's noise
+    (a rounded model can score below float by chance; its KL is never negative)."""
+    from gptforge.model_io import load_model
+
+    ref, _ = load_model(ckpt)
+    model, _ = load_model(path)
+    ids = torch.tensor(tok.encode(text.read_text(encoding="utf-8")))
+    n = len(ids) // seq * seq
+    total = 0.0
+    for w in ids[:n].view(-1, seq).split(16):
+        lp, lq = (torch.log_softmax(m(w).logits.double(), -1) for m in (ref, model))
+        total += float((lp.exp() * (lp - lq)).sum(-1).sum())
+    return total / n
+
+
 def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: Path | None = None) -> dict:
     """Quantize (unless float), score on the held-out text and read the bit counts of one variant
     (calibrated on `calib`, else on the built-in corpus's first documents)."""
@@ -109,6 +139,7 @@ def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: P
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
     bits = spec.get("layer_bits") or {}
     return {"bits_per_byte": m["bits_per_byte"], "ppl": m["ppl"], "tensor_bytes": tensor_bytes(path),
+            "heldout_kl": heldout_kl(ckpt, path, text, args.seq, args.tok) if flags is not None else 0.0,
             "file_bytes": (path / "model.safetensors").stat().st_size, "quantize_s": secs,
             "avg_bits": spec.get("avg_bits", 32.0), "stored_bits": spec.get("stored_bits", 32.0),
             "head_bits": bits.get("wte", spec.get("head_bits", 32)),
@@ -155,10 +186,12 @@ def calibration_files(work: Path, tok, cfg, sets: int, samples: int, seq: int) -
 def spread_verdicts(per_set: list[dict], float_bpb: float) -> dict:
     """The acceptance line on the means over calibration sets: each GPTQ variant's mean increase
     (and its min / max over the sets); the mixed model against each reference's mean."""
-    names = [n for n in (MIXED, *REFS) if all(n in r for r in per_set)]
+    names = [n for n in (MIXED, WHOLE, *REFS) if all(n in r for r in per_set)]
     inc = {n: [r[n]["bits_per_byte"] - float_bpb for r in per_set] for n in names}
+    kls = {n: [r[n].get("heldout_kl") for r in per_set] for n in names}
     out = {"sets": len(per_set), "increase": {n: {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "each": v}
-                                              for n, v in inc.items()}, "verdicts": {}}
+                                              for n, v in inc.items()}, "verdicts": {},
+           "heldout_kl": {n: {"mean": sum(v) / len(v), "each": v} for n, v in kls.items() if None not in v}}
     for ref in REFS:
         if MIXED not in inc or ref not in inc:
             continue
@@ -202,6 +235,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     tok, tok_dir = tokenizer(work, args.vocab)
+    args.tok = tok
     shape, tag = shape_of(args)
     t0 = time.perf_counter()
     ckpt, cfg = train(work, tok, tok_dir, args, shape, tag, echo=args.log)
@@ -224,7 +258,7 @@ def main() -> None:
         name, flags = next(iter(todo.items()))
         todo.pop(name)
         rows[name] = r = measure(name, flags, ckpt, work, text, args)
-        print(f"{name:38} bpb {r['bits_per_byte']:.4f}  ppl {r['ppl']:.3f}  {r['tensor_bytes']} B  bits "
+        print(f"{name:38} bpb {r['bits_per_byte']:.4f}  KL {r['heldout_kl']:.5f}  ppl {r['ppl']:.3f}  {r['tensor_bytes']} B  bits "
               f"{r['avg_bits']:.3f} own / {r['stored_bits']:.3f} stored"
               + (f", 8-bit: {', '.join(r['layers_at_8'])}" if r["layers_at_8"] else "")
               + (f", head rows at 8: {r['head_rows8']}" if r["head_rows8"] else "")
@@ -244,10 +278,10 @@ def main() -> None:
         per_set = [rows]
         for calib in calibration_files(work, tok, cfg, args.calib_sets, args.samples, args.seq):
             extra = {}
-            for name in (MIXED, *REFS):
+            for name in (MIXED, WHOLE, *REFS):
                 flags = variants(rec["default_int4_bytes"], sens / "analysis.json")[name]
                 extra[name] = r = measure(name, flags, ckpt, work, text, args, calib=calib)
-                print(f"{name:38} {calib.name}: bpb {r['bits_per_byte']:.4f} ({r['quantize_s']:.0f}s, "
+                print(f"{name:38} {calib.name}: bpb {r['bits_per_byte']:.4f} KL {r['heldout_kl']:.5f} ({r['quantize_s']:.0f}s, "
                       f"load {os.getloadavg()[0]:.1f})", flush=True)
             per_set.append(extra)
         rec["calibration_sets"] = spread_verdicts(per_set, rows["float"]["bits_per_byte"])

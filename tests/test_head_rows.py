@@ -61,6 +61,8 @@ def test_split_head_computes_each_row_at_its_own_width(kernel, monkeypatch):
     assert torch.equal(q.wte.rows8, torch.tensor(ROWS8))
     ids = torch.tensor([[0, ROWS8[0], ROWS8[-1], VOCAB - 1, 5, ROWS8[3]]])
     assert torch.equal(q.wte(ids), F.embedding(ids, ref))  # lookups dequantize each row exactly
+    for one in (ROWS8[2], ROWS8[2] + 1):  # a decode step's single id, from either table
+        assert torch.equal(q.wte(torch.tensor([[one]])), F.embedding(torch.tensor([[one]]), ref))
     for rows in (1, 3, 20):  # the native kernels take up to 8 rows, longer batches the fallback
         h = torch.randn(rows, w.shape[1])
         within_fp32_rounding(q.logits(h), h, ref, None)
