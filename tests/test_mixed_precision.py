@@ -125,7 +125,7 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
     code, stdout, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", "int4", "--group-size", "32",
                                 "--avg-bits", "4.6", "--sensitivity", analysis)
     assert code == 0, err
-    assert "mixed 4/8 bits" in stdout
+    assert "mixed 4/8 bits" in stdout and f"head 4 bits with its {plan_rows(out)} most used rows at 8" in stdout
     plan = json.loads((out / PLAN_JSON).read_text())
     assert (out / PLAN_MD).read_text().startswith("# Mixed-precision plan (--avg-bits 4.6)")
     bits = plan["layer_bits"]
@@ -170,6 +170,10 @@ def test_mixed_model_round_trips_and_equals_the_plan_applied_in_memory(float_dir
     assert code == 0 and stdout.startswith("the quick"), err
     code, stdout, err = run_cli("quantize", "--ckpt", out)  # the per-layer table shows both widths
     assert code == 0 and "int4 sym group 32" in stdout and "int8 sym group 32" in stdout, err
+
+
+def plan_rows(out) -> int:
+    return json.loads((out / "quant_plan.json").read_text())["head_rows8"]
 
 
 def _check_bits(q, bits, plan, rows8=()):

@@ -184,8 +184,9 @@ def _weights(args, cfg) -> int:
     if r.plan is not None:
         p = r.plan
         n8 = sum(b == 8 for b in p.layer_bits.values())
+        rows = f" with its {len(p.head_rows8)} most used rows at 8" if p.head_rows8 else ""
         head = f"mixed 4/8 bits ({p.budget}: {n8} of {len(p.rows)} layers at 8 bits, " \
-               f"head {p.layer_bits['wte']} bits; plan in quant_plan.md)"
+               f"head {p.layer_bits['wte']} bits{rows}; plan in quant_plan.md)"
     else:
         head = f"head {spec.head_bits} bits"
     print(f"gptforge quantize: weights {fmt} ({spec.method}), {head}: {r.avg_bits:.3f} bits per planned weight "
