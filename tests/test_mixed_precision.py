@@ -240,6 +240,19 @@ def test_quantize_plan_errors_are_one_line(float_dir, analysis, run_cli, tmp_pat
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("damage", [{"order": [0, 0]}, {"ladder": [{"rows8": "x", "increase": 1}]},
+                                    {"ladder": []}, {"order": "abc"}])
+def test_a_damaged_head_row_ladder_is_one_line(float_dir, analysis, run_cli, tmp_path, damage):
+    state = json.loads(analysis.read_text())
+    state["head_rows"].update(damage)
+    bad = tmp_path / "analysis.json"
+    bad.write_text(json.dumps(state))
+    code, _, err = run_cli("quantize", "--ckpt", float_dir[0], "--out", tmp_path / "o", "--weights", "int4",
+                           "--group-size", "32", "--avg-bits", "4.6", "--sensitivity", bad)
+    assert code == 2, err
+    assert f"--sensitivity {bad}: head_rows is damaged" in err and len(err.strip().splitlines()) == 1
+
+
 def test_sensitivity_of_another_model_is_refused(float_dir, analysis, run_cli, tmp_path):
     from gf_testutil import tiny_model
     from gptforge.model_io import save_model_dir

@@ -8,7 +8,9 @@ g_i of the moved layers with their summed c_i within the budget left after every
 4-bit cost. `knapsack` solves it exactly by dynamic programming over cost units (the costs
 divided by their greatest common divisor, which for layer sizes is large, so the table stays
 small); only when that table would exceed `MAX_CELLS` are the costs rounded up to coarser
-buckets (the plan still fits, and says it is not proven optimal).
+buckets (the plan still fits, and says it is not proven optimal). The head has more choices
+than 8 bits whole: its top k rows at 8 (`head_rows`' measured ladder); a layer's choices form a
+group of which the knapsack buys at most one.
 
 Budgets: `--avg-bits B` counts the weights' own bits (4 or 8 per weight, scales and zeros
 excluded) over the planned layers: sum(bits_i * params_i) <= B * sum(params_i). `--max-bytes N`

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gptforge.errors import UsageError
+
 FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
 SCORE = "fisher"
 
@@ -109,7 +111,7 @@ def measure_ladder(set_weight: Callable[[torch.Tensor], float], w4: torch.Tensor
     rest from `w4`."""
     out = []
     for k in sizes:
-        hot = torch.zeros(len(w4), dtype=torch.bool)
+        hot = torch.zeros(len(w4), dtype=torch.bool, device=w4.device)
         hot[order[:k]] = True
         out.append({"rows8": int(k), "increase": float(set_weight(torch.where(hot.unsqueeze(1), w8, w4)))})
         if progress is not None:
@@ -122,13 +124,29 @@ def head_rows_result(order: torch.Tensor, ladder: list[dict]) -> dict:
     return {"score": SCORE, "order": [int(v) for v in order], "ladder": ladder}
 
 
-def read_head_rows(state: dict, vocab: int) -> dict | None:
-    """The `head_rows` of an analysis file when it is whole and of a `vocab`-row head, else None
-    (an older analysis: plans keep the head one table)."""
-    hr = state.get("head_rows")
-    if not isinstance(hr, dict) or not isinstance(hr.get("order"), list) or len(hr["order"]) != vocab:
+def parse_head_rows(hr, vocab: int) -> dict:
+    """{order, ladder} of an analysis's `head_rows` for a `vocab`-row head; ValueError saying what
+    is wrong with it."""
+    if not isinstance(hr, dict) or not isinstance(hr.get("order"), list) or not isinstance(hr.get("ladder"), list):
+        raise ValueError("no order / ladder lists")
+    order = hr["order"]
+    if len(order) != vocab or not all(isinstance(v, int) for v in order) or sorted(order) != list(range(vocab)):
+        raise ValueError(f"order is not a permutation of the {vocab} rows")
+    ladder = hr["ladder"]
+    ok = all(isinstance(r, dict) and isinstance(r.get("rows8"), int) and 0 < r["rows8"] < vocab
+             and isinstance(r.get("increase"), (int, float)) for r in ladder)
+    if not ladder or not ok:
+        raise ValueError("ladder rows need rows8 (0 < k < vocabulary) and increase")
+    return {"order": order, "ladder": ladder}
+
+
+def read_head_rows(state: dict, vocab: int, where: str = "the analysis") -> dict | None:
+    """The `head_rows` of an analysis; None for an analysis made before it existed (plans then
+    keep the head one table); UsageError naming `where` when the section is damaged."""
+    if "head_rows" not in state or state["head_rows"] is None:
         return None
-    if sorted(hr["order"]) != list(range(vocab)):
-        return None
-    ladder = [r for r in hr.get("ladder") or [] if isinstance(r, dict) and 0 < int(r.get("rows8", 0)) < vocab]
-    return {"order": hr["order"], "ladder": ladder} if ladder else None
+    try:
+        return parse_head_rows(state["head_rows"], vocab)
+    except ValueError as e:
+        raise UsageError(f"{where}: head_rows is damaged ({e}); run `gptforge analyze --weights int4 --force` "
+                         "on this model again") from None

@@ -27,6 +27,7 @@ from torch import nn
 from gptforge.compress import head_rows
 from gptforge.compress import sensitivity as sens
 from gptforge.errors import UsageError
+from gptforge.progress import bar
 from gptforge.transforms import lowbit
 from gptforge.transforms.weight_only import WeightOnlySpec, check_shapes, planned_layers
 
@@ -135,8 +136,6 @@ def head_row_ladder(model: nn.Module, spec: WeightOnlySpec, batches: list[dict],
     w4, w8 = (rounded_weight(w, b, spec, H, damp, act_order) for b in (4, 8))
     order = head_rows.row_order(model, batches, w, w4, w8)
     sizes = head_rows.ladder_sizes(len(w))
-    from gptforge.progress import bar
-
     pbar = bar(total=len(sizes), desc="analyze (head rows)", unit="step", enabled=progress)
 
     def measured(wq: torch.Tensor) -> float:
@@ -155,7 +154,11 @@ def _earlier_head_rows(state_path, resume: bool, vocab: int) -> dict | None:
     if state_path is None or not resume or not Path(state_path).is_file():
         return None
     hr = json.loads(Path(state_path).read_text(encoding="utf-8")).get("head_rows")
-    return hr if head_rows.read_head_rows({"head_rows": hr}, vocab) is not None else None
+    try:
+        head_rows.parse_head_rows(hr, vocab)
+    except ValueError:  # none yet, or damaged: measured again
+        return None
+    return hr
 
 
 class _WeightHolder:

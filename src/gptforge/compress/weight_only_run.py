@@ -214,7 +214,8 @@ def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **c
         increases = {n: (r.sensitivity, r.sensitivity8) for n, r in a.layers.items()}
         state = {"head_rows": a.head_rows}
         source = f"measured by this run ({budget.metric}, {method})"
-    head = read_head_rows(state, model.wte.num_embeddings)
+    head = read_head_rows(state, model.wte.num_embeddings,
+                          f"--sensitivity {budget.sensitivity}" if budget.sensitivity else "the analysis")
     rows = bit_plan.layer_rows(model, spec, increases, head)
     plan = bit_plan.make_plan(rows, bit_plan.fixed_bytes(model, rows), avg_bits=budget.avg_bits,
                               max_bytes=budget.max_bytes, head_order=head["order"] if head else None)
