@@ -151,6 +151,38 @@ def test_gptq_output_error_is_at_most_rtn(act_order):
     assert e_gptq <= e_rtn
 
 
+def test_gptq_dampens_the_tied_head_more_in_quantize_and_analyze(monkeypatch):
+    """The tied head's Hessian sees only its output use (gptq.HEAD_DAMP): the quantizer, the analysis'
+    rows and its head-row ladder round the head with the stronger dampening, block Linears with --damp."""
+    from gf_testutil import tiny_model
+    from gptforge.compress import gptq
+    from gptforge.compress import sensitivity_weights as sw
+
+    seen = []
+    real = gptq.gptq_quantize
+
+    def spy(W, H, bits, group_size=0, sym=True, damp=0.01, **kw):
+        seen.append((tuple(W.shape), damp))
+        return real(W, H, bits, group_size, sym, damp=damp, **kw)
+
+    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    monkeypatch.setattr(sw, "gptq_quantize", spy)
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    head = tuple(model.wte.weight.shape)
+    spec = WeightOnlySpec(bits=4, group_size=32, head_bits=4, method="gptq")
+    windows = [torch.randint(0, head[0], (1, 17)) for _ in range(2)]
+    sw.weight_sensitivity(model, spec, sw.calibration_batches(windows), method="gptq", damp=0.02)
+    assert gptq.HEAD_DAMP > 0.02
+    analysed = list(seen)  # 4 and 8 bits per layer, then the ladder's 4 and 8
+    assert [d for s, d in analysed if s == head] == [gptq.HEAD_DAMP] * 4
+    assert {d for s, d in analysed if s != head} == {0.02} and len(analysed) == 2 * (4 * len(model.blocks) + 2)
+    seen.clear()
+    gptq.gptq_model(model, spec, [w[:, :-1] for w in windows], damp=0.02, progress=False)
+    assert seen[-1] == (head, gptq.HEAD_DAMP) and {d for _, d in seen[:-1]} == {0.02}
+    assert gptq.damp_for("wte", 2.0) == 2.0  # a larger --damp holds for the head too
+
+
 def test_awq_search_never_loses_to_rtn_and_wins_on_outlier_channels():
     from gptforge.compress.awq import awq_scale
 

@@ -11,7 +11,8 @@ so the stored groups stay contiguous).
 
 `gptq_model(model, spec, batches)` runs it block by block: every block Linear's H comes from
 its inputs in the partly quantized model (blocks before it already quantized), then the block
-is quantized and its outputs feed the next one; the tied LM head last, from the final norm.
+is quantized and its outputs feed the next one; the tied LM head last, from the final norm,
+with a stronger dampening (`HEAD_DAMP`, see `damp_for`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ from torch import nn
 
 from gptforge.transforms import lowbit
 from gptforge.transforms.weight_only import WeightOnlySpec, quantize_layer
+
+# The tied head is also the input embedding. Its Hessian sees only the output use, and moving a
+# row's rounding error onto the row's other columns (which the lookup reads unweighted) costs
+# more at the input than it saves in the logits: at 0.01 GPTQ's 4-bit head did worse than rounding
+# to nearest on a 6000-step model. A dampening of half H's mean diagonal pulls the solution toward
+# plain rounding; on three trained models it was best or near best among 0.01 ... 1000
+# (benchmarks/results/2026-11-27-tied-head-gptq.md).
+HEAD_DAMP = 0.5
+
+
+def damp_for(name: str, damp: float) -> float:
+    """GPTQ dampening of layer `name`: `damp`, and at least `HEAD_DAMP` for the tied head `wte`."""
+    return max(damp, HEAD_DAMP) if name == "wte" else damp
 
 
 def _cholesky_inverse_upper(H: torch.Tensor, damp: float) -> torch.Tensor:
@@ -103,6 +117,6 @@ def gptq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tenso
 
     def quantize(name: str, H: torch.Tensor) -> None:
         quantize_layer(model, name, spec, rounder=lambda w, bits: gptq_quantize(
-            w, H, bits, spec.group_size, spec.sym, damp=damp, act_order=act_order))
+            w, H, bits, spec.group_size, spec.sym, damp=damp_for(name, damp), act_order=act_order))
 
     return calibrated_walk(model, spec, batches, _Hessian, quantize, desc="gptq", progress=progress)

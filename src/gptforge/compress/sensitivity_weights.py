@@ -26,6 +26,7 @@ from torch import nn
 
 from gptforge.compress import head_rows
 from gptforge.compress import sensitivity as sens
+from gptforge.compress.gptq import damp_for, gptq_quantize
 from gptforge.errors import UsageError
 from gptforge.progress import bar
 from gptforge.transforms import lowbit
@@ -75,8 +76,6 @@ def rounded_weight(w: torch.Tensor, bits: int, spec: WeightOnlySpec, H: torch.Te
     if H is None:
         q, s, z = lowbit.quantize_rtn(w, bits, spec.group_size, spec.sym)
     else:
-        from gptforge.compress.gptq import gptq_quantize
-
         q, s, z = gptq_quantize(w.float(), H, bits, spec.group_size, spec.sym, damp=damp, act_order=act_order)
     return lowbit.dequantize(q, s, z, spec.group_size).to(w.dtype)
 
@@ -110,7 +109,7 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
         w = weight_of(name).detach().float()
         values = []
         for bits in (4, 8) if eight_bits else (4,):
-            wq = rounded_weight(w, bits, spec, hs.get(name), damp, act_order)
+            wq = rounded_weight(w, bits, spec, hs.get(name), damp_for(name, damp), act_order)
             with sens._weight_replaced(_WeightHolder(weight_of(name)), wq):
                 values.append(m(model))
         return values[0], (values[1] if eight_bits else None)
@@ -133,7 +132,7 @@ def head_row_ladder(model: nn.Module, spec: WeightOnlySpec, batches: list[dict],
     """The head's rows ranked by their estimated gain from 8 bits and the measured increase with
     the top k at 8 bits for k on `head_rows.FRACTIONS` of the vocabulary (`head_rows`)."""
     w = model.wte.weight.detach().float()
-    w4, w8 = (rounded_weight(w, b, spec, H, damp, act_order) for b in (4, 8))
+    w4, w8 = (rounded_weight(w, b, spec, H, damp_for(HEAD, damp), act_order) for b in (4, 8))
     order = head_rows.row_order(model, batches, w, w4, w8)
     sizes = head_rows.ladder_sizes(len(w))
     pbar = bar(total=len(sizes), desc="analyze (head rows)", unit="step", enabled=progress)

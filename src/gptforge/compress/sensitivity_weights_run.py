@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gptforge.compress import sensitivity as sens
+from gptforge.compress.gptq import damp_for
 from gptforge.compress.sensitivity_weights import MODE, calibration_batches, weight_sensitivity
 from gptforge.transforms.weight_only import WeightOnlySpec
 
@@ -26,7 +27,8 @@ class WeightAnalysis:
 def spec_fingerprint(spec: WeightOnlySpec, method: str, damp: float, act_order: bool) -> dict:
     """What a sensitivity file's increases depend on besides the model and the text."""
     return {"group_size": spec.group_size, "sym": spec.sym, "method": method,
-            "damp": damp if method == "gptq" else None, "act_order": act_order if method == "gptq" else None}
+            "damp": damp if method == "gptq" else None, "act_order": act_order if method == "gptq" else None,
+            "head_damp": damp_for("wte", damp) if method == "gptq" else None}
 
 
 def run_weight_analysis(ckpt: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
