@@ -89,7 +89,7 @@ def assert_close_for_kernels(got, ref, kernels: set[str], tol: float) -> None:
     import torch
 
     if "bf16" in kernels:
-        rel = float((got - ref).norm() / ref.norm())
+        rel = float((got - ref).detach().norm() / ref.detach().norm())
         assert rel < BF16_REL_NORM, (kernels, rel)
     else:
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
