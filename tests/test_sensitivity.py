@@ -382,3 +382,17 @@ def test_report_helpers():
     assert suggest_k(analysis([-1.0, -2.0])) == 0
     assert [r.name for r in analysis([1.0, 5.0, 5.0]).ranked()] == ["blocks.1.linear1", "blocks.2.linear1",
                                                                      "blocks.0.linear1"]
+
+
+def test_a_state_of_other_inputs_names_the_nested_key_that_differs(tmp_path):
+    """An analysis made with another GPTQ head dampening (or any nested setting) is refused with
+    the dotted key, not just its section."""
+    state = tmp_path / "analysis.json"
+    old = {"float_ckpt": "abc", "weights": {"group_size": 64, "damp": 0.01, "head_damp": None}}
+    state.write_text(json.dumps({"format": sens.STATE_FORMAT, "fingerprint": old}))
+    new = {"float_ckpt": "abc", "weights": {"group_size": 64, "damp": 0.01, "head_damp": 0.5}}
+    with pytest.raises(UsageError, match=r"differs in: weights\.head_damp\);"):
+        sens.read_state(state, new)
+    with pytest.raises(UsageError, match=r"differs in: float_ckpt, weights\.group_size\)"):
+        sens.read_state(state, {"float_ckpt": "x", "weights": dict(new["weights"], group_size=32, head_damp=None)})
+    assert sens.read_state(state, old)["fingerprint"] == old

@@ -273,12 +273,23 @@ def read_state(path: Path, fingerprint: dict) -> dict | None:
         raise UsageError(f"{path}: unreadable analysis state ({e}); delete it or pass --force to start over") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise UsageError(f"{path}: not a gptforge analysis state file; pass --force to replace it, or choose another --out")
-    old = state.get("fingerprint") or {}
-    diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+    diff = _differences(state.get("fingerprint") or {}, fingerprint)
     if diff:
         raise UsageError(f"{path}: holds an analysis of other inputs (differs in: {', '.join(diff)}); "
                          "pass --force to start over, or choose another --out")
     return state
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The keys whose values differ, dotted down into nested dicts (`weights.head_damp`)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def _write_state(path: Path | None, analysis: Analysis, fingerprint: dict) -> None:
