@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--samples", type=int, default=32, help="GPTQ/AWQ calibration windows (default 32)")
     w.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256, at most "
                    "the model's max_position_embeddings)")
-    w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01)")
+    w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01; the tied head at least 0.5)")
     w.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     add_overwrite_arg(p)
 

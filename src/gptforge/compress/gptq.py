@@ -27,8 +27,8 @@ from gptforge.transforms.weight_only import WeightOnlySpec, quantize_layer
 # row's rounding error onto the row's other columns (which the lookup reads unweighted) costs
 # more at the input than it saves in the logits: at 0.01 GPTQ's 4-bit head did worse than rounding
 # to nearest on a 6000-step model. A dampening of half H's mean diagonal pulls the solution toward
-# plain rounding; on three trained models it was best or near best among 0.01 ... 1000
-# (benchmarks/results/2026-11-27-tied-head-gptq.md).
+# plain rounding; on three trained models it came within 9% of the best of 0.01 ... 10 and
+# round to nearest (benchmarks/results/2026-11-27-tied-head-gptq.md).
 HEAD_DAMP = 0.5
 
 
