@@ -113,15 +113,18 @@ def heldout_kl(ckpt: Path, path: Path, text: Path, seq: int, tok) -> float:
     (a rounded model can score below float by chance; its KL is never negative)."""
     from gptforge.model_io import load_model
 
-    ref, _ = load_model(ckpt)
-    model, _ = load_model(path)
     ids = torch.tensor(tok.encode(text.read_text(encoding="utf-8")))
-    n = len(ids) // seq * seq
+    return kl_to(load_model(ckpt)[0], load_model(path)[0], ids[: len(ids) // seq * seq].view(-1, seq))
+
+
+@torch.no_grad()
+def kl_to(ref, model, windows: torch.Tensor) -> float:
+    """KL(ref || model) of the next-token distributions, nats per token, over `windows` [n, seq]."""
     total = 0.0
-    for w in ids[:n].view(-1, seq).split(16):
+    for w in windows.split(16):
         lp, lq = (torch.log_softmax(m(w).logits.double(), -1) for m in (ref, model))
         total += float((lp.exp() * (lp - lq)).sum(-1).sum())
-    return total / n
+    return total / windows.numel()
 
 
 def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: Path | None = None) -> dict:

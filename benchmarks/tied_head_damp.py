@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qat_quality import cpu_flags, cpu_name, tokenizer  # noqa: E402  (benchmarks/ is on sys.path)
+from mixed_precision import kl_to as kl  # noqa: E402  (benchmarks/ is on sys.path)
+from qat_quality import cpu_flags, cpu_name, tokenizer  # noqa: E402
 
 
 def untied(ckpt: Path, emb: torch.Tensor, head: torch.Tensor):
@@ -38,16 +39,6 @@ def untied(ckpt: Path, emb: torch.Tensor, head: torch.Tensor):
     m.wte.weight.data.copy_(emb)
     m.logits = types.MethodType(lambda self, h: F.linear(h, head), m)
     return m
-
-
-@torch.no_grad()
-def kl(ref, model, windows: torch.Tensor) -> float:
-    """KL(ref || model) of the next-token distributions, nats per token, over `windows` [n, seq]."""
-    total = 0.0
-    for w in windows.split(16):
-        lp, lq = (torch.log_softmax(m(w).logits.double(), -1) for m in (ref, model))
-        total += float((lp.exp() * (lp - lq)).sum(-1).sum())
-    return total / windows.numel()
 
 
 def main() -> None:

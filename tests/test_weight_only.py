@@ -5,6 +5,8 @@ without Cholesky or lazy batches) written here."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -233,6 +235,8 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
     f, _ = load_model(src)
     assert len(weight_only_layers(q)) == 4 * 2 + (1 if "32" not in args else 0)
     assert ("awq" in args) == hasattr(q.blocks[0].linear1, "act_scale")
+    # GPTQ's head dampening is on record where GPTQ rounded the head
+    assert json.loads((out / "weight_only.json").read_text())["head_damp"] == (0.5 if "gptq" in args else None)
     ids = torch.randint(0, 4096, (2, 16))
     lq, lf = q(ids).logits, f(ids).logits
     rel = float((lq - lf).detach().norm() / lf.detach().norm())

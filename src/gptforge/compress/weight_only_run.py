@@ -179,7 +179,7 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
     with atomic_dir(out_dir, overwrite) as tmp:
         write_model_files(model, cfg, tmp, tokenizer)
         spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path),
-                        "head_damp": damp_for("wte", damp) if spec.method == "gptq" else None,
+                        "head_damp": damp_for("wte", damp) if spec.method == "gptq" and spec.bits_for("wte") in (4, 8) else None,
                         "qat": trained is not None, "avg_bits": own, "stored_bits": stored})
         if plan is not None:
             bit_plan.write_plan(plan, tmp, budget.metric, {"source": str(path), "sensitivity": plan.source})
