@@ -23,7 +23,7 @@ baseline and no control is trained: recovery = (PTQ(float) - QAT) / (PTQ(float) 
 the float model's int4 g64 RTN (the acceptance number) and GPTQ (where it costs anything).
 
     .venv/bin/python benchmarks/qat4_quality.py [--work runs/bench_lowbit] [--steps 1000] [--qat-steps 200]
-        [--lr 6e-4] [--seeds 1024 1 2] [--distill [--alpha 1] [--temperature 1]]
+        [--lr 6e-4] [--seeds 1024 1 2] [--distill [--alpha 1] [--temperature 1]] [--learn-scales [--scale-lr-mult 50]]
 """
 
 from __future__ import annotations
@@ -75,9 +75,11 @@ def finetune(work: Path, tok, tok_dir: Path, ckpt: Path, args, seed: int, name: 
     return run_dir(out, args.qat_steps)
 
 
-def qat_keys(head_bits: int) -> list[str]:
+def qat_keys(head_bits: int, args=None) -> list[str]:
+    lsq = (["Compress.Quantization.learn_scales=True", f"Compress.Quantization.scale_lr_mult={args.scale_lr_mult}"]
+           if args is not None and args.learn_scales else [])
     return ["Compress.Quantization.weight_only=True", "Compress.Quantization.weight_bits=4",
-            "Compress.Quantization.group_size=64", f"Compress.Quantization.head_bits={head_bits}"]
+            "Compress.Quantization.group_size=64", f"Compress.Quantization.head_bits={head_bits}", *lsq]
 
 
 @torch.no_grad()
@@ -156,7 +158,7 @@ def seed_run(seed: int, sub: Path, ckpt: Path, ptq: dict, row: Scorer, tok, tok_
     for hb in args.head_bits:
         crtn = row(f"control int4 g64 RTN, head {hb}",
                    quantize(ctrl, sd / f"control_RTN_head{hb}", [*INT4, "--head-bits", str(hb)], args), sd, tag)
-        qdir = finetune(sd, tok, tok_dir, ckpt, args, seed, f"qat_int4_g64_head{hb}", qat_keys(hb))
+        qdir = finetune(sd, tok, tok_dir, ckpt, args, seed, f"qat_int4_g64_head{hb}", qat_keys(hb, args))
         conv = quantize(qdir, sd / f"qat_int4_g64_head{hb}_int4", ["--weights", "int4"], args)
         q = row(f"QAT int4 g64, head {hb} (converted)", conv, sd, tag)
         rtn, gptq = ptq[hb]["rtn"], ptq[hb]["gptq"]
@@ -182,7 +184,7 @@ def distill_seed_run(seed: int, sub: Path, ckpt: Path, ptq: dict, row: Scorer, t
     kd = ["Compress.Quantization.distill=True", f"Engine.distill.alpha={args.alpha}",
           f"Engine.distill.temperature={args.temperature}"]
     for hb in args.head_bits:
-        qdir = finetune(sd, tok, tok_dir, ckpt, args, seed, f"kdqat_int4_g64_head{hb}", [*qat_keys(hb), *kd])
+        qdir = finetune(sd, tok, tok_dir, ckpt, args, seed, f"kdqat_int4_g64_head{hb}", [*qat_keys(hb, args), *kd])
         conv = quantize(qdir, sd / f"kdqat_int4_g64_head{hb}_int4", ["--weights", "int4"], args)
         q = row(f"KD-QAT int4 g64, head {hb} (converted)", conv, sd, f"seed {seed}: ")
         rtn, gptq = ptq[hb]["rtn"] - f, ptq[hb]["gptq"] - f
@@ -229,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "model's RTN / GPTQ, no control")
     ap.add_argument("--alpha", type=float, default=1.0, help="--distill: Engine.distill.alpha (1: KL only)")
     ap.add_argument("--temperature", type=float, default=1.0, help="--distill: Engine.distill.temperature")
+    ap.add_argument("--learn-scales", action="store_true",
+                    help="QAT learns each group's scale too (Compress.Quantization.learn_scales)")
+    ap.add_argument("--scale-lr-mult", type=float, default=50.0, help="--learn-scales: Compress.Quantization.scale_lr_mult")
     ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
     ap.add_argument("--out", help="write the results (JSON) here too")
     ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
@@ -245,8 +250,9 @@ def report(args, per_seed: dict, ptq: dict, t_start: float) -> dict:
           f"{torch.get_num_threads()}; total {time.perf_counter() - t_start:.0f}s")
     kd = (f"distillation from the float model (alpha {args.alpha:g}, temperature {args.temperature:g}), no control"
           if args.distill else "LM loss; the control the same")
+    lsq = f", learned scales (lr x {args.scale_lr_mult:g})" if args.learn_scales else ""
     print(f"QAT: {args.qat_steps} steps, batch {args.batch} x {args.seq}, lr {args.lr:g} cosine to "
-          f"{args.lr / 10:g}, no warmup, weight decay 0, {kd}; seeds {' '.join(map(str, args.seeds))}")
+          f"{args.lr / 10:g}, no warmup, weight decay 0, {kd}{lsq}; seeds {' '.join(map(str, args.seeds))}")
     summary = {}
     for hb in args.head_bits:
         agg = aggregate({s: r[hb] for s, r in per_seed.items()}, distill=args.distill)
@@ -275,6 +281,8 @@ def main(argv=None) -> None:
     sub = work / f"qat4_p{args.steps}_s{args.qat_steps}_lr{args.lr:g}"
     if args.distill:
         sub = sub.with_name(f"{sub.name}_kd_a{args.alpha:g}_T{args.temperature:g}")
+    if args.learn_scales:
+        sub = sub.with_name(f"{sub.name}_lsq{args.scale_lr_mult:g}")
     run = distill_seed_run if args.distill else seed_run
     per_seed = {s: run(s, sub, ckpt, ptq, row, tok, tok_dir, text, args) for s in args.seeds}
     summary = report(args, per_seed, ptq, t_start)

@@ -5,6 +5,7 @@ int4` of a QAT checkpoint computes the fake-quant model's logits; user errors na
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -64,7 +65,72 @@ def test_gradient_is_straight_through():
         torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_clip_search_rounds_each_group_at_least_as_well_as_round_to_nearest(sym):
+    w = torch.randn(16, 128)  # Gaussian groups: clipping their tails buys finer steps for the rest
+    scale, zero = lowbit.clip_search(w, 4, 32, sym)
+
+    def group_err(q, s, z):
+        return (lowbit.dequantize(q, s, z, 32) - w).square().reshape(16, 4, 32).sum(-1)
+
+    q = lowbit.quantize_cols(w.reshape(64, 32), scale.reshape(-1), zero.reshape(-1), 4).reshape(16, 128)
+    mine, rtn = group_err(q, scale, zero), group_err(*lowbit.rtn_grid(w, 4, 32, sym))
+    assert (mine <= rtn).all() and mine.sum() < 0.97 * rtn.sum()
+    if sym:
+        assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_learned_scale_gradient_is_lsqs():
+    """d w_hat / d s of one group against the LSQ paper's formula (Esser et al. 2020, eq. 3):
+    round(w/s) - w/s inside the range, the clamp bound outside; the weight's gradient passes
+    straight through inside the range and is zero where the weight is clipped."""
+    w = torch.tensor([[0.05, -0.31, 0.9, -1.7, 0.33, 0.0, 2.5, -0.02]], requires_grad=True)
+    s0 = torch.tensor([[0.2]])
+    log_scale = s0.log().requires_grad_()
+    w_hat = lowbit.fake_quantize_learned(w, log_scale, torch.zeros(1, 1), 4, 0)
+    upstream = torch.arange(1.0, 9.0)[None]
+    (w_hat * upstream).sum().backward()
+    s = float(log_scale.detach().exp())
+    v = w.detach() / s
+    inside = (v.round() >= -8) & (v.round() <= 7)
+    dwhat_ds = torch.where(inside, v.round() - v, v.round().clamp(-8, 7))
+    torch.testing.assert_close(log_scale.grad, (upstream * dwhat_ds).sum().reshape(1, 1) * s)  # d s / d log s = s
+    torch.testing.assert_close(w.grad, upstream * inside)
+    assert not inside.all()  # 2.5 / 0.2 = 12.5 is clipped to 7
+
+
+def test_learned_scales_start_at_the_clip_search_grid_and_train_without_decay():
+    from gf_testutil import tiny_model
+    from gptforge.train.optim import param_groups
+
+    model, cfg = tiny_model()
+    w = model.blocks[0].linear1.weight.detach().clone()
+    q = QuantizationConfig(enable=True, weight_only=True, weight_bits=4, group_size=32, head_bits=4, weight_sym=False,
+                           learn_scales=True, scale_lr_mult=20.0)
+    quantize_model(model, q)
+    lin = model.blocks[0].linear1
+    scale, zero = lowbit.clip_search(w, 4, 32, False)
+    qi, s, z = lin.grid()
+    assert torch.equal(s, scale.log().exp()) and torch.equal(z, zero) and qi.dtype == torch.int8
+    stored = WeightOnlyLinear.from_float(w, None, 4, 32, False, (qi, s, z)).dequantized_weight()
+    assert torch.equal(lin.quantized_weight(), stored)  # what a converted layer computes, bit for bit
+    ids = torch.randint(0, cfg.Model.vocab_size, (2, 8))
+    lookup = model.wte(ids)  # the lookup reads the learned grid of the rows it reads
+    assert torch.equal(lookup, model.wte.quantized_weight()[ids])
+    groups = {n: (g["lr_mult"], g["weight_decay"]) for g in param_groups(model, 0.1) for n in g["names"]}
+    scales = [n for n in groups if n.endswith("weight_log_scale")]
+    assert len(scales) == 4 * cfg.Model.num_layers + 1 and {groups[n] for n in scales} == {(20.0, 0.0)}
+    assert groups["blocks.0.linear1.weight"] == (1.0, 0.1)
+    # a checkpoint loaded with assign=True keeps the scales' multiplier (a resumed run's optimizer)
+    again, _ = tiny_model()
+    quantize_model(again.to("meta"), q)
+    again.load_state_dict(model.state_dict(), assign=True)
+    assert again.blocks[0].linear1.weight_log_scale.lr_mult == 20.0
+    assert torch.equal(again.blocks[0].linear1.quantized_weight(), lin.quantized_weight())
+
+
 @pytest.mark.parametrize("key,value,needle", [
+    ("scale_lr_mult", -1.0, "Compress.Quantization.scale_lr_mult"),
     ("group_size", 48, "Compress.Quantization.group_size"),
     ("head_bits", 3, "Compress.Quantization.head_bits"),
     ("weight_bits", 3, "Compress.Quantization.weight_bits"),
@@ -108,7 +174,8 @@ def _qat(run_cli, src, out, *keys):
                    "Optimizer.lr.max_lr=1e-2", "--no-progress", *opts)
 
 
-@pytest.mark.parametrize("keys", [("head_bits=4",), ("weight_sym=false", "head_bits=8")])
+@pytest.mark.parametrize("keys", [("head_bits=4",), ("weight_sym=false", "head_bits=8"),
+                                  ("head_bits=4", "learn_scales=true")])
 def test_qat_checkpoint_converts_to_a_weight_only_model_with_its_logits(run_cli, float_run, tmp_path, monkeypatch,
                                                                         keys):
     from gf_testutil import assert_close_for_kernels, chosen_kernels
@@ -118,8 +185,14 @@ def test_qat_checkpoint_converts_to_a_weight_only_model_with_its_logits(run_cli,
     assert code == 0, err
     step = tmp_path / "qat" / "step_3"
     sd, fsd = load_file(str(step / "model.safetensors")), load_file(str(float_run / "model.safetensors"))
-    assert set(sd) == set(fsd)  # the float master weights, nothing else
+    learned = "learn_scales=true" in keys
+    scales = {k for k in sd if k.endswith(("weight_log_scale", "weight_qzero"))}
+    assert set(sd) - scales == set(fsd)  # the float master weights (and the learned grids)
+    assert bool(scales) == learned
     assert not torch.equal(sd["blocks.0.linear1.weight"], fsd["blocks.0.linear1.weight"])  # trained
+    if learned:  # the scales trained too, away from where clip_search started them
+        start, _ = lowbit.clip_search(fsd["blocks.0.linear1.weight"], 4, 32, True)
+        assert not torch.equal(sd["blocks.0.linear1.weight_log_scale"], start.log())
     fq, _ = load_model(step)
     assert isinstance(fq.blocks[0].linear2, WeightQuantLinear)
 
@@ -129,7 +202,9 @@ def test_qat_checkpoint_converts_to_a_weight_only_model_with_its_logits(run_cli,
     head = 4 if "head_bits=4" in keys else 8
     sym = "weight_sym=false" not in keys
     assert read_spec(out) == read_spec(out).__class__(bits=4, group_size=32, sym=sym, head_bits=head, method="rtn")
-    assert f"int4 {'sym' if sym else 'asym'} g32 (rtn), head {head} bits" in stdout
+    assert json.loads((out / "weight_only.json").read_text())["learned_scales"] is learned
+    method = "the QAT model's learned scales" if learned else "rtn"
+    assert f"int4 {'sym' if sym else 'asym'} g32 ({method}), head {head} bits" in stdout
     ids = torch.randint(0, fq.config.vocab_size, (2, 32))
     ref = fq(ids).logits
     # the dequantized fp32 matmul; bf16 (every CPU runs it, natively or not); the probe's choice for
@@ -170,3 +245,24 @@ def test_user_errors_are_one_line(run_cli, float_run, tmp_path):
     code, _, err = run_cli("ptq", "--ckpt", float_run, "--out", tmp_path / "p", "-o",
                            "Compress.Quantization.weight_only=true", "-o", "Compress.Quantization.weight_bits=4")
     assert code == 2 and "Compress.Quantization.weight_only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_learned_scales_resume_exactly(run_cli, float_run, tmp_path):
+    """Two steps, then a resume for two more, end on the weights and learned scales of four
+    straight steps (the scales' own lr multiplier and no-decay group survive the reload)."""
+    opts = [a for k in ("weight_only=true", "weight_bits=4", "group_size=32", "head_bits=4", "learn_scales=true")
+            for a in ("-o", f"Compress.Quantization.{k}")]
+    common = ["-o", "Engine.eval_freq=100", "-o", "Optimizer.lr.max_lr=1e-2", "-o", "Optimizer.lr.decay_steps=4",
+              "--no-progress", *opts]
+    for out, steps in (("straight", 4), ("split", 2)):
+        code, _, err = run_cli("qat", "--ckpt", float_run, "--out", tmp_path / out, "-o", f"Engine.max_steps={steps}",
+                               "-o", f"Engine.save_load.save_steps={steps}", *common)
+        assert code == 0, err
+    code, _, err = run_cli("qat", "--ckpt", tmp_path / "split" / "step_2", "-o", "Engine.max_steps=4",
+                           "-o", "Engine.save_load.save_steps=4", "--no-progress")
+    assert code == 0, err
+    a, b = (load_file(str(tmp_path / d / "step_4" / "model.safetensors")) for d in ("split", "straight"))
+    assert set(a) == set(b) and any(k.endswith("weight_log_scale") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    start = load_file(str(tmp_path / "split" / "step_2" / "model.safetensors"))
+    assert not torch.equal(start["wte.weight_log_scale"], a["wte.weight_log_scale"])  # the resumed steps moved them

@@ -189,7 +189,8 @@ def _weights(args, cfg) -> int:
                f"head {p.layer_bits['wte']} bits{rows}; plan in quant_plan.md)"
     else:
         head = f"head {spec.head_bits} bits"
-    print(f"gptforge quantize: weights {fmt} ({spec.method}), {head}: {r.avg_bits:.3f} bits per planned weight "
+    method = "the QAT model's learned scales" if r.learned_scales else spec.method
+    print(f"gptforge quantize: weights {fmt} ({method}), {head}: {r.avg_bits:.3f} bits per planned weight "
           f"({r.stored_bits:.3f} stored with scales), {r.quantized_bytes / 2**20:.2f} MiB (float "
           f"{r.float_bytes / 2**20:.2f} MiB)"
           f"{'; calibration ' + r.calibration if spec.method != 'rtn' else ''} -> {r.out_dir}")

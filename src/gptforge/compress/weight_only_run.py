@@ -31,6 +31,7 @@ class WeightOnlyResult:
     plan: object = None  # bit_plan.Plan of a mixed-precision run
     avg_bits: float = 0.0  # own bits per planned weight (bit_plan.planned_bits)
     stored_bits: float = 0.0  # stored bits per planned weight, group scales and zeros included
+    learned_scales: bool = False  # a weight-only QAT checkpoint's learned grid (`learn_scales`) was stored
 
 
 def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int) -> list[torch.Tensor]:
@@ -62,9 +63,8 @@ def _bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def qat_weight_spec(src: str | os.PathLike) -> WeightOnlySpec | None:
-    """The weight-only format a weight-only QAT checkpoint (`Compress.Quantization.weight_only`)
-    was trained for; None for any other model."""
+def _qat_config(src: str | os.PathLike):
+    """The `Compress.Quantization` of a weight-only QAT checkpoint; None for any other model."""
     from gptforge.config.schema import QuantizationConfig
     from gptforge.config.typed import build_section
     from gptforge.model_io import read_checkpoint_config, resolve_checkpoint_path
@@ -72,9 +72,32 @@ def qat_weight_spec(src: str | os.PathLike) -> WeightOnlySpec | None:
     raw = (read_checkpoint_config(resolve_checkpoint_path(src)).get("Compress") or {}).get("Quantization") or {}
     if not (raw.get("enable") and raw.get("weight_only")):
         return None
-    q = build_section(QuantizationConfig, raw, "Compress.Quantization")
+    return build_section(QuantizationConfig, raw, "Compress.Quantization")
+
+
+def qat_weight_spec(src: str | os.PathLike) -> WeightOnlySpec | None:
+    """The weight-only format a weight-only QAT checkpoint (`Compress.Quantization.weight_only`)
+    was trained for; None for any other model."""
+    q = _qat_config(src)
+    if q is None:
+        return None
     return WeightOnlySpec(bits=q.weight_bits, group_size=q.group_size, sym=q.weight_sym, head_bits=q.head_bits,
                           method="rtn")
+
+
+def qat_grids(src: str | os.PathLike) -> dict | None:
+    """{layer name ("wte": the head): (q, scale, zero)} of a weight-only QAT checkpoint trained
+    with `learn_scales`, the grids its fake-quant model computes with; None for any other model."""
+    from gptforge.model_io import load_model
+    from gptforge.transforms.weight_qat import layers
+
+    q = _qat_config(src)
+    if q is None or not q.learn_scales:
+        return None
+    fq, _ = load_model(src, device="cpu")
+    quantized = {id(mod) for mod in layers(fq)}
+    grids = {name: mod.grid() for name, mod in fq.named_modules() if id(mod) in quantized}
+    return {name: g for name, g in grids.items() if g is not None}
 
 
 def check_qat_spec(spec: WeightOnlySpec, trained: WeightOnlySpec, path, budget: bool = False) -> None:
@@ -158,7 +181,7 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
         # head_bits follows the plan too: weight_only.json must not say 8 where the head is at 4
         spec = dataclasses.replace(spec, layer_bits=plan.layer_bits, head_bits=plan.layer_bits["wte"],
                                    head_rows8=tuple(plan.head_rows8))
-    calibration = "none"
+    calibration, grids = "none", None
     if spec.method in ("gptq", "awq"):
         seq = min(seq_len, cfg.Model.max_position_embeddings)
         batches = calibration_ids(tokenizer, calib, samples, seq)
@@ -172,7 +195,8 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
 
             awq_model(model, spec, batches, progress=progress)
     else:
-        quantize_rtn_model(model, spec)
+        grids = qat_grids(path) if trained is not None else None
+        quantize_rtn_model(model, spec, grids)
     from gptforge.compress import bit_plan
 
     own, stored = bit_plan.planned_bits(model)
@@ -180,10 +204,11 @@ def quantize_weights(src: str | os.PathLike, out_dir: str | os.PathLike, spec: W
         write_model_files(model, cfg, tmp, tokenizer)
         spec.save(tmp, {"calibration": calibration, "damp": damp, "act_order": act_order, "source": str(path),
                         "head_damp": damp_for("wte", damp) if spec.method == "gptq" and spec.bits_for("wte") in (4, 8) else None,
-                        "qat": trained is not None, "avg_bits": own, "stored_bits": stored})
+                        "qat": trained is not None, "learned_scales": bool(grids), "avg_bits": own,
+                        "stored_bits": stored})
         if plan is not None:
             bit_plan.write_plan(plan, tmp, budget.metric, {"source": str(path), "sensitivity": plan.source})
-    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration, plan, own, stored)
+    return WeightOnlyResult(str(out_dir), spec, fbytes, _bytes(model), calibration, plan, own, stored, bool(grids))
 
 
 def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **calib):

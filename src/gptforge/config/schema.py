@@ -300,6 +300,8 @@ class QuantizationConfig:
     group_size: int = 64  # weight_only: input columns per scale (and zero): 32 | 64 | 128 | 256, 0 = one per output row
     weight_sym: bool = True  # weight_only: symmetric groups; false: asymmetric (an integer zero point per group, `quantize --asym`)
     head_bits: int = 8  # weight_only: the tied embedding / LM head at 4 | 8 bits (same groups), 16 (bf16) or 32 (float, not quantized)
+    learn_scales: bool = False  # weight_only: each group's scale is trained too (LSQ), starting from the clip that rounds the group best; `quantize --weights` of the checkpoint uses the learned scales
+    scale_lr_mult: float = 50.0  # learn_scales: the scales' learning rate (of their logarithm) as a multiple of the weights'
     distill: bool = False  # qat: train toward the next-token distributions of the float model the run starts from (Compress.pretrained, the frozen teacher); the loss mix and temperature are Engine.distill.alpha / temperature (alpha 1: distillation only)
     quantize_embedding: bool = False  # also quantize the tied word embedding / LM head weight (per row, weight only); `quantize --convert` then stores it as int8
     moving_rate: float = 0.9  # moving_average_abs_max: accum = rate*accum + max|x|, state = rate*state + 1

@@ -41,8 +41,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        # Stacked MoE expert biases ([E, out], model/moe.py) are biases too: no decay.
-        decay = p.ndim >= 2 and not name.endswith("_bias")
+        # Stacked MoE expert biases ([E, out], model/moe.py) are biases too: no decay; nor a
+        # weight-only QAT layer's learned scales (decay would pull their logarithm to 0).
+        decay = p.ndim >= 2 and not name.endswith(("_bias", "_log_scale"))
         mult = float(getattr(p, "lr_mult", 1.0))
         key = (mult, decay)
         if key not in groups:

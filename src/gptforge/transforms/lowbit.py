@@ -88,3 +88,58 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     lo = (packed & 0x0F).to(torch.int8) - 8
     hi = (packed >> 4).to(torch.int8) - 8
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.0 down to 0.5
+
+
+def clip_search(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [rows, groups], zero [rows, groups]) of each group's range shrunk by the ratio in
+    `CLIP_RATIOS` whose rounding error (squared) is smallest: clipping a few large weights buys
+    finer steps for the rest. Ratio 1 is round-to-nearest's own grid, so no group does worse."""
+    rows, cols = w.shape
+    g = group_size or cols
+    wg = w.detach().float().reshape(rows * (cols // g), g)
+    best = scale = zero = None
+    for r in CLIP_RATIOS:
+        s, z = group_params(wg * r, bits, sym)
+        err = (dequantize(quantize_cols(wg, s, z, bits), s.unsqueeze(-1), z.unsqueeze(-1), 0) - wg).square().sum(1)
+        if best is None:
+            best, scale, zero = err, s, z
+        else:
+            better = err < best
+            best, scale, zero = (torch.where(better, err, best), torch.where(better, s, scale),
+                                 torch.where(better, z, zero))
+    return scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+class _RoundSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def learned_grid(w: torch.Tensor, log_scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int):
+    """(q [rows, cols] as fp32 integers, scale fp32 [rows, groups]) of `w` on the grid of the given
+    per-group scales exp(log_scale) and integer zeros; differentiable (LSQ, Esser et al. 2020):
+    rounding passes the gradient straight through, the clamp does not (a clipped weight's
+    gradient goes to its group's scale)."""
+    rows, cols = w.shape
+    g = group_size or cols
+    lo_q, hi_q = qrange(bits)
+    scale = log_scale.float().exp()
+    wg = w.float().reshape(rows, cols // g, g)
+    q = (_RoundSTE.apply(wg / scale.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(lo_q, hi_q)
+    return q.reshape(rows, cols), scale
+
+
+def fake_quantize_learned(w: torch.Tensor, log_scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                          group_size: int) -> torch.Tensor:
+    """`w` on its learned grid (`learned_grid`), dequantized: the numbers `dequantize` gives for
+    the same integers and scales, so a converted model computes them exactly."""
+    q, scale = learned_grid(w, log_scale, zero, bits, group_size)
+    return dequantize(q, scale, zero, group_size)

@@ -439,14 +439,14 @@ def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=
                                                   spec.sym, quantized, act_scale))
 
 
-def quantize_rtn_model(model: nn.Module, spec: WeightOnlySpec) -> nn.Module:
-    """Round every block Linear and the embedding / head to nearest, in place."""
+def quantize_rtn_model(model: nn.Module, spec: WeightOnlySpec, grids: dict | None = None) -> nn.Module:
+    """Round every block Linear and the embedding / head to nearest (or onto `grids[name]`, a
+    (q, scale, zero) such as a QAT model learned), in place."""
     from gptforge.model.gpt import block_linears
 
     check_shapes(model, spec)
-    for name, _ in list(block_linears(model)):
-        quantize_layer(model, name, spec)
-    quantize_layer(model, "wte", spec)
+    for name in [n for n, _ in block_linears(model)] + ["wte"]:
+        quantize_layer(model, name, spec, (grids or {}).get(name))
     return model
 
 

@@ -11,7 +11,11 @@ weight-only model that computes the fake-quant model's numbers
 (`compress.weight_only_run.qat_weight_spec`).
 
 The state dict is the float model's (the master weights): a float checkpoint loads into the
-fake-quant model and back.
+fake-quant model and back. With `learn_scales` each quantized layer also holds its groups' scales
+(`weight_log_scale`, trained with `scale_lr_mult`, never decayed) and integer zeros
+(`weight_qzero`), started at `lowbit.clip_search`'s grid; the forward is
+`lowbit.fake_quantize_learned` and `grid()` gives the integers and scales a converted model
+stores, so it again computes the fake-quant model's numbers.
 """
 
 from __future__ import annotations
@@ -48,19 +52,75 @@ def validate(q: QuantizationConfig) -> None:
                                                 "leave it blank")
     if q.quantize_embedding:
         raise bad("quantize_embedding", "with weight_only the head's bits are head_bits; leave it false")
+    if q.scale_lr_mult < 0:
+        raise bad("scale_lr_mult", f"must be >= 0, got {q.scale_lr_mult}")
     if q.skip_tensor_map or q.skip_layers:
         key = "skip_tensor_map" if q.skip_tensor_map else "skip_layers"
         raise bad(key, "weight-only QAT rounds every block Linear (the weight-only format has no float "
                        "block layers); leave it empty")
 
 
-class WeightQuantLinear(nn.Linear):
+class _Grid:
+    """The weight's grid, shared by both modules: round-to-nearest's (recomputed from the weight at
+    every step) or, after `learn_scales`, per-group scales that are parameters of their own."""
+
+    weight: nn.Parameter
+    weight_bits: int
+    group_size: int
+    sym: bool
+
+    def _no_scales(self) -> None:
+        self.register_parameter("weight_log_scale", None)
+        self.register_buffer("weight_qzero", None)
+
+    def learn_scales(self, lr_mult: float) -> None:
+        """Give the groups trained scales, started at `clip_search`'s (left empty on meta: a
+        checkpoint fills them)."""
+        if self.weight_bits >= 16:
+            return
+        w = self.weight
+        rows, cols = w.shape
+        if w.device.type == "meta":
+            scale = zero = torch.empty(rows, cols // (self.group_size or cols), device="meta")
+        else:
+            scale, zero = lowbit.clip_search(w, self.weight_bits, self.group_size, self.sym)
+        self.weight_log_scale = nn.Parameter(scale.log())
+        self.weight_log_scale.lr_mult = self.scale_lr_mult = lr_mult
+        self.weight_qzero = zero
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # load_state_dict(assign=True) swaps in a new Parameter: keep the optimizer's multiplier.
+        if self.weight_log_scale is not None:
+            self.weight_log_scale.lr_mult = self.scale_lr_mult
+
+    def quantized_weight(self) -> torch.Tensor:
+        return self._fake_quantize(self.weight, self.weight_log_scale, self.weight_qzero)
+
+    def _fake_quantize(self, w, log_scale, zero) -> torch.Tensor:
+        if log_scale is None:
+            return lowbit.fake_quantize(w, self.weight_bits, self.group_size, self.sym)
+        return lowbit.fake_quantize_learned(w, log_scale, zero, self.weight_bits, self.group_size)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q int8, scale, zero) of the learned grid, as `gptforge quantize` stores them; None
+        without learned scales (round-to-nearest's grid)."""
+        if self.weight_log_scale is None:
+            return None
+        with torch.no_grad():
+            q, scale = lowbit.learned_grid(self.weight, self.weight_log_scale, self.weight_qzero, self.weight_bits,
+                                           self.group_size)
+        return q.to(torch.int8), scale, self.weight_qzero.clone()
+
+
+class WeightQuantLinear(_Grid, nn.Linear):
     """An `nn.Linear` whose weight is fake-quantized on the weight-only grid (activations float)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
                  group_size: int = 64, sym: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.weight_bits, self.group_size, self.sym = bits, group_size, sym
+        self._no_scales()
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, bits: int, group_size: int, sym: bool) -> WeightQuantLinear:
@@ -71,18 +131,15 @@ class WeightQuantLinear(nn.Linear):
         mod.train(lin.training)
         return mod
 
-    def quantized_weight(self) -> torch.Tensor:
-        return lowbit.fake_quantize(self.weight, self.weight_bits, self.group_size, self.sym)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.quantized_weight()
         return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {_fmt(self.weight_bits, self.group_size, self.sym)} (weight-only fake quant)"
+        return f"{super().extra_repr()}, {_fmt(self.weight_bits, self.group_size, self.sym, self.weight_log_scale)}"
 
 
-class WeightQuantEmbedding(nn.Embedding):
+class WeightQuantEmbedding(_Grid, nn.Embedding):
     """The tied word embedding / LM head fake-quantized on the weight-only grid, in the lookup and
     in the head (`project`, which `install_head` makes the model's `logits`)."""
 
@@ -90,6 +147,7 @@ class WeightQuantEmbedding(nn.Embedding):
                  sym: bool = True, device=None, dtype=None):
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
         self.weight_bits, self.group_size, self.sym = bits, group_size, sym
+        self._no_scales()
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, bits: int, group_size: int, sym: bool) -> WeightQuantEmbedding:
@@ -97,26 +155,28 @@ class WeightQuantEmbedding(nn.Embedding):
         mod.weight = emb.weight
         return mod
 
-    def quantized_weight(self) -> torch.Tensor:
-        return lowbit.fake_quantize(self.weight, self.weight_bits, self.group_size, self.sym)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Groups lie within a row, so quantizing only the rows read is exact (and cheap).
         rows = F.embedding(ids, self.weight).reshape(-1, self.embedding_dim)
-        out = lowbit.fake_quantize(rows, self.weight_bits, self.group_size, self.sym)
+        scales = None if self.weight_log_scale is None else (
+            F.embedding(ids, self.weight_log_scale).reshape(len(rows), -1),
+            F.embedding(ids, self.weight_qzero).reshape(len(rows), -1))
+        out = self._fake_quantize(rows, *(scales or (None, None)))
         return out.to(self.weight.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.quantized_weight().to(hidden.dtype))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {_fmt(self.weight_bits, self.group_size, self.sym)} (weight-only fake quant)"
+        return f"{super().extra_repr()}, {_fmt(self.weight_bits, self.group_size, self.sym, self.weight_log_scale)}"
 
 
-def _fmt(bits: int, group_size: int, sym: bool) -> str:
+def _fmt(bits: int, group_size: int, sym: bool, log_scale=None) -> str:
     if bits == 16:
-        return "bf16"
-    return f"int{bits} {'sym' if sym else 'asym'} {'g' + str(group_size) if group_size else 'per row'}"
+        return "bf16 (weight-only fake quant)"
+    learned = ", learned scales" if log_scale is not None else ""
+    return (f"int{bits} {'sym' if sym else 'asym'} {'g' + str(group_size) if group_size else 'per row'} "
+            f"(weight-only fake quant{learned})")
 
 
 def _check_shapes(model: nn.Module, q: QuantizationConfig) -> None:
@@ -144,6 +204,9 @@ def apply(model: nn.Module, q: QuantizationConfig) -> nn.Module:
     if q.head_bits != 32:
         model.wte = WeightQuantEmbedding.from_embedding(model.wte, q.head_bits, q.group_size, q.weight_sym)
         install_head(model)
+    if q.learn_scales:
+        for mod in layers(model):
+            mod.learn_scales(q.scale_lr_mult)
     return model
 
 
