@@ -144,6 +144,11 @@ def test_config_errors_name_the_key(key, value, needle):
         validate_config(q, 2)
 
 
+def test_learn_scales_needs_weight_only():
+    with pytest.raises(ConfigError, match="Compress.Quantization.learn_scales: .*weight_only: true"):
+        validate_config(QuantizationConfig(enable=True, learn_scales=True), 2)
+
+
 def test_group_size_must_divide_the_layers():
     from gf_testutil import tiny_model
 

@@ -144,6 +144,9 @@ def validate_config(q: QuantizationConfig, num_layers: int | None = None) -> Non
             raise bad("skip_layers", f"entries are name globs like blocks.3.linear2, got {pat!r}")
     if q.weight_only:
         weight_qat.validate(q)
+    elif q.learn_scales:
+        raise bad("learn_scales", "learns the groups' scales of weight-only QAT; set weight_only: true too "
+                                  "(INT8 QAT's weight scales are abs-max, its activation scales observed)")
 
 
 def refuse_weight_only(q: QuantizationConfig, what: str) -> None:
