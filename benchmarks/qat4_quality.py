@@ -1,8 +1,9 @@
 """4-bit weight-only QAT vs int4 PTQ (RTN, GPTQ) on held-out bits per byte (issue #32's QAT line).
 
 `lowbit_quality.py`'s set-up, imported: the same float model (trained once by it on the built-in
-corpus, `--steps`), the same held-out text (Eval-split documents) and the same scoring
-(`gptforge eval`, WikiText method). Once, for each head bit-width in `--head-bits`: int4 g64 RTN
+corpus, `--steps`), held-out text from the same Eval-split documents (`--heldout-chars`, 400,000
+by default: on 40,000 the text's chance moved one model's int4 loss by as much as QAT gains) and
+the same scoring (`gptforge eval`, WikiText method). Once, for each head bit-width in `--head-bits`: int4 g64 RTN
 and int4 g64 GPTQ of the float model (`gptforge quantize --weights int4`). Then for each seed in
 `--seeds` (`Global.seed`: the order of the fine-tuning batches; QAT and its control share it):
   - the control: the float model fine-tuned for `--qat-steps` steps at the same lr (so a gain is
@@ -23,7 +24,7 @@ baseline and no control is trained: recovery = (PTQ(float) - QAT) / (PTQ(float) 
 the float model's int4 g64 RTN (the acceptance number) and GPTQ (where it costs anything).
 
     .venv/bin/python benchmarks/qat4_quality.py [--work runs/bench_lowbit] [--steps 1000] [--qat-steps 200]
-        [--lr 6e-4] [--seeds 1024 1 2] [--distill [--alpha 1] [--temperature 1]] [--learn-scales [--scale-lr-mult 50]]
+        [--lr 6e-4] [--min-lr 0.1] [--seeds 1024 1 2] [--distill [--alpha 1] [--temperature 1]] [--learn-scales [--scale-lr-mult 50]]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def quantize(src: Path, out: Path, flags: list, args) -> Path:
 
 
 def finetune(work: Path, tok, tok_dir: Path, ckpt: Path, args, seed: int, name: str, extra: list[str]) -> Path:
-    """`--qat-steps` more steps from `ckpt` (lr `--lr` cosine to lr/10, batches in `seed`'s order):
+    """`--qat-steps` more steps from `ckpt` (lr `--lr` cosine to `--min-lr` x lr, batches in `seed`'s order):
     QAT with `extra` quantization keys, or plain float fine-tuning (extra empty)."""
     from gptforge.compress.qat import qat
     from gptforge.train import pretrain
@@ -65,7 +66,7 @@ def finetune(work: Path, tok, tok_dir: Path, ckpt: Path, args, seed: int, name: 
     out = work / name
     if run_dir(out, args.qat_steps) is None:
         shutil.rmtree(out, ignore_errors=True)
-        cfg = load_config(overrides=[*overrides(tok_dir, args, out, args.qat_steps, args.lr, args.lr / 10, 0.0),
+        cfg = load_config(overrides=[*overrides(tok_dir, args, out, args.qat_steps, args.lr, args.lr * args.min_lr, 0.0),
                                      "Optimizer.weight_decay=0.0", f"Compress.pretrained={ckpt}",
                                      f"Global.seed={seed}", *extra])
         t0 = time.perf_counter()
@@ -134,11 +135,13 @@ class Scorer:
     """Scores a model directory once (the eval JSON is kept beside the runs and reused) and keeps
     every row for the results file."""
 
-    def __init__(self, text: Path, seq: int):
+    def __init__(self, text: Path, seq: int, chars: int = 40_000):
         self.text, self.seq, self.rows = text, seq, {}
+        # scores on another text are kept apart (the earlier runs' files are the 40,000-char text's)
+        self.suffix = "" if chars == 40_000 else f"_{chars}"
 
     def __call__(self, name: str, path: Path, where: Path, prefix: str = "") -> float:
-        out = where / f"{name.replace(' ', '_')}_eval.json"
+        out = where / f"{name.replace(' ', '_')}_eval{self.suffix}.json"
         m = json.loads(out.read_text())["metrics"] if out.is_file() else score(path, self.text, out, self.seq)
         self.rows[prefix + name] = {"bits_per_byte": m["bits_per_byte"], "ppl": m["ppl"], "path": str(path)}
         print(f"{prefix + name:48} bpb {m['bits_per_byte']:.4f}  ppl {m['ppl']:.3f}", flush=True)
@@ -218,7 +221,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default="runs/bench_lowbit", help="shared with lowbit_quality.py (its float model)")
     ap.add_argument("--steps", type=int, default=1000, help="float pretraining steps (lowbit_quality.py's)")
     ap.add_argument("--qat-steps", type=int, default=200, help="QAT steps, and the control's fine-tuning steps")
-    ap.add_argument("--lr", type=float, default=6e-4, help="max lr of QAT and of the control (cosine to lr/10)")
+    ap.add_argument("--lr", type=float, default=6e-4, help="max lr of QAT and of the control")
+    ap.add_argument("--min-lr", type=float, default=0.1,
+                    help="the cosine's end as a fraction of --lr (0: decay to zero, which lets the rounding settle)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1024],
                     help="Global.seed of QAT and its control (batch order); 1024 is the config default")
     ap.add_argument("--head-bits", type=int, nargs="+", default=[8, 4])
@@ -235,10 +240,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="QAT learns each group's scale too (Compress.Quantization.learn_scales)")
     ap.add_argument("--scale-lr-mult", type=float, default=50.0, help="--learn-scales: Compress.Quantization.scale_lr_mult")
     ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
+    ap.add_argument("--heldout-chars", type=int, default=400_000,
+                    help="held-out text: whole Eval-split documents up to this many characters (the 40,000 of the "
+                         "runs before 2026-11-27 left the seeds' int4 losses scattered by the text's chance)")
     ap.add_argument("--out", help="write the results (JSON) here too")
     ap.add_argument("--quick", action="store_true", help="tiny run to check the script (numbers meaningless)")
     args = ap.parse_args(argv)
-    args.heldout_chars = 40_000
     if args.quick:  # scoring int4 models dominates a quick run: a tenth of the held-out text
         args.steps, args.qat_steps, args.head_bits, args.samples, args.heldout_chars = 10, 2, [4], 4, 4_000
     return args
@@ -252,7 +259,7 @@ def report(args, per_seed: dict, ptq: dict, t_start: float) -> dict:
           if args.distill else "LM loss; the control the same")
     lsq = f", learned scales (lr x {args.scale_lr_mult:g})" if args.learn_scales else ""
     print(f"QAT: {args.qat_steps} steps, batch {args.batch} x {args.seq}, lr {args.lr:g} cosine to "
-          f"{args.lr / 10:g}, no warmup, weight decay 0, {kd}{lsq}; seeds {' '.join(map(str, args.seeds))}")
+          f"{args.lr * args.min_lr:g}, no warmup, weight decay 0, {kd}{lsq}; seeds {' '.join(map(str, args.seeds))}")
     summary = {}
     for hb in args.head_bits:
         agg = aggregate({s: r[hb] for s, r in per_seed.items()}, distill=args.distill)
@@ -276,9 +283,11 @@ def main(argv=None) -> None:
     tok, tok_dir = tokenizer(work)
     ckpt, cfg = train(work, tok, tok_dir, args)
     text = heldout_text(work, tok, cfg, args.heldout_chars)
-    row = Scorer(text, args.seq)
+    row = Scorer(text, args.seq, args.heldout_chars)
     ptq = ptq_rows(work, ckpt, row, args)
     sub = work / f"qat4_p{args.steps}_s{args.qat_steps}_lr{args.lr:g}"
+    if args.min_lr != 0.1:  # the earlier runs' directories (cosine to lr/10) keep their names
+        sub = sub.with_name(f"{sub.name}_min{args.min_lr:g}")
     if args.distill:
         sub = sub.with_name(f"{sub.name}_kd_a{args.alpha:g}_T{args.temperature:g}")
     if args.learn_scales:

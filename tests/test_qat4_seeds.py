@@ -115,3 +115,21 @@ def test_quick_distill_run(q4, tmp_path, monkeypatch, capsys):
     cfg = json.loads(json.dumps(rec["args"]))
     assert cfg["distill"] and cfg["alpha"] == 1.0
     assert "KD-QAT int4 g64, head 4" in capsys.readouterr().out
+
+
+def test_scores_on_another_held_out_text_are_kept_apart(q4, tmp_path, monkeypatch):
+    # a model scored on the 40,000-char text keeps its file; the 400,000-char text gets its own
+    calls = []
+
+    def fake_score(path, text, out, seq):
+        calls.append(out.name)
+        out.write_text(json.dumps({"metrics": {"bits_per_byte": 1.5 + len(calls), "ppl": 9.0}}))
+        return json.loads(out.read_text())["metrics"]
+
+    monkeypatch.setattr(q4, "score", fake_score)
+    small = q4.Scorer(tmp_path / "heldout.txt", 128)
+    big = q4.Scorer(tmp_path / "heldout_400000.txt", 128, 400_000)
+    assert small("float", tmp_path, tmp_path) == 2.5 and big("float", tmp_path, tmp_path) == 3.5
+    assert small("float", tmp_path, tmp_path) == 2.5 and big("float", tmp_path, tmp_path) == 3.5  # reused, not mixed
+    assert calls == ["float_eval.json", "float_eval_400000.json"]
+    assert q4.parse_args([]).heldout_chars == 400_000
