@@ -108,6 +108,26 @@ def test_analyze_loss_metric_with_gptq_from_the_cli(float_dir, run_cli, tmp_path
     assert all(math.isfinite(r["sensitivity"]) for r in state["layers"].values())
 
 
+def test_analyze_with_clip_search_rounds_as_quantize_will(float_dir, run_cli, tmp_path):
+    from gptforge.compress.sensitivity_weights import rounded_weight
+
+    src, text = float_dir
+    states = []
+    for extra in ((), ("--clip-search",)):
+        code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--group-size", "32", "--calib", text,
+                                 *CALIB, "--out", tmp_path / f"a{len(extra)}", "--no-progress", *extra)
+        assert code == 0, err
+        assert ("clip-searched grids" in out) is bool(extra)
+        states.append(json.loads((tmp_path / f"a{len(extra)}" / "analysis.json").read_text()))
+    assert [s["fingerprint"]["weights"]["clip"] for s in states] == [False, True]
+    assert states[0]["layers"] != states[1]["layers"]  # measured on other grids
+    torch.manual_seed(0)
+    w = torch.randn(8, 64) * torch.rand(8, 64).pow(4)
+    spec = WeightOnlySpec(bits=4, group_size=32, clip=True)
+    q, s, z = lowbit.quantize_rtn(w, 4, 32, True, clip=True)
+    assert torch.equal(rounded_weight(w, 4, spec), lowbit.dequantize(q, s, z, 32))
+
+
 def _rounded(w, bits):
     q, s, z = lowbit.quantize_rtn(w, bits, 32, True)
     return lowbit.dequantize(q, s, z, 32)
@@ -272,6 +292,7 @@ def test_sensitivity_of_another_model_is_refused(float_dir, analysis, run_cli, t
     (("--weights", "int4", "--metric", "cosine"), "--metric cosine"),
     (("--weights", "int4", "--mode", "ptq"), "--mode"),
     (("--group-size", "32",), "--group-size applies with --weights"),
+    (("--clip-search",), "--clip-search applies with --weights"),
 ])
 def test_analyze_weight_flag_errors_are_one_line(float_dir, run_cli, tmp_path, extra, needle):
     code, _, err = run_cli("analyze", "--ckpt", float_dir[0], "--out", tmp_path / "a", *extra)

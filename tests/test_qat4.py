@@ -237,6 +237,7 @@ def test_qat_checkpoint_converts_to_a_weight_only_model_with_its_logits(run_cli,
                           (("--weights", "int4", "--group-size", "64"), "--group-size 64"),
                           (("--weights", "int8"), "--weights int8"),
                           (("--weights", "int4", "--avg-bits", "5"), "--avg-bits"),
+                          (("--weights", "int4", "--clip-search"), "--clip-search"),
                           (("--convert",), "Compress.Quantization.weight_only")):
         code, _, err = run_cli("quantize", "--ckpt", step, "--out", tmp_path / "x", *flags)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (flags, err)

@@ -106,10 +106,10 @@ def test_bad_kernel_env_is_a_usage_error(monkeypatch):
 # ----------------------------------------------------------------------- GPTQ
 
 
-def _gptq_reference(W, H, bits, g, sym, damp):
+def _gptq_reference(W, H, bits, g, sym, damp, params=lowbit.group_params):
     """The paper's direct form: quantize column i, W[:, j>i] -= (w_i - q_i) / Hinv_ii · Hinv_ij,
     then remove i from the inverse Hessian, Hinv -= Hinv[:, i] Hinv[i, :] / Hinv_ii; a group's
-    (scale, zero) from the current weights of its columns when its first column is reached."""
+    (scale, zero) = `params` of the current weights of its columns when its first column is reached."""
     W = W.double().clone()
     H = H.double().clone()
     H += damp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype)
@@ -118,7 +118,7 @@ def _gptq_reference(W, H, bits, g, sym, damp):
     Q = torch.zeros_like(W)
     for i in range(cols):
         if i % g == 0:
-            s, z = lowbit.group_params(W[:, i:i + g], bits, sym)
+            s, z = (t.double() for t in params(W[:, i:i + g], bits, sym))
         q = (lowbit.quantize_cols(W[:, i:i + 1], s, z, bits)[:, 0] - z) * s
         Q[:, i] = q
         err = (W[:, i] - q) / Hinv[i, i]
@@ -140,6 +140,37 @@ def test_gptq_equals_the_papers_direct_formula(sym):
     ours = lowbit.dequantize(q, s.double(), z.double(), 16, torch.float64)
     ref = _gptq_reference(W, H, 4, 16, sym, 0.01)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+def _clip_params(w, bits, sym):
+    """A group's grid as the clip search chooses it (one group: all of `w`'s columns)."""
+    scale, zero = lowbit.clip_search(w, bits, 0, sym)
+    return scale[:, 0], zero[:, 0]
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_with_clip_search_is_the_papers_formula_on_searched_grids(sym):
+    W, _, H = _layer()
+    W[:, 5] *= 6  # an outlier column: abs-max grids waste most of their steps on it
+    q, s, z = gptq_quantize(W, H, 4, 16, sym, damp=0.01, block=32, clip=True)
+    ours = lowbit.dequantize(q, s.double(), z.double(), 16, torch.float64)
+    torch.testing.assert_close(ours, _gptq_reference(W, H, 4, 16, sym, 0.01, _clip_params), rtol=0, atol=1e-5)
+    absmax = lowbit.dequantize(*gptq_quantize(W, H, 4, 16, sym, damp=0.01, block=32), 16, torch.float64)
+    assert not torch.equal(ours, absmax)  # the search chose other grids somewhere
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_rtn_with_clip_search_rounds_on_the_searched_grid(sym):
+    torch.manual_seed(5)
+    w = torch.randn(16, 128) * torch.rand(16, 128).pow(4) * 3  # heavy tails, as trained weights have
+    q, s, z = lowbit.quantize_rtn(w, 4, 32, sym, clip=True)
+    ss, sz = lowbit.clip_search(w, 4, 32, sym)
+    assert torch.equal(s, ss) and torch.equal(z, sz)
+    assert torch.equal(q.float().reshape(16, 4, 32), lowbit.quantize_cols(w.reshape(64, 32), ss.reshape(-1),
+                                                                           sz.reshape(-1), 4).reshape(16, 4, 32))
+    err = (lowbit.dequantize(q, s, z, 32) - w).square().sum()
+    plain = (lowbit.dequantize(*lowbit.quantize_rtn(w, 4, 32, sym), 32) - w).square().sum()
+    assert err < plain  # never worse per group (ratio 1 is abs-max), better on these tails
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -218,7 +249,8 @@ def float_dir(tmp_path_factory):
     return d, text
 
 
-@pytest.mark.parametrize("args", [("int4", "--method", "gptq", "--asym"), ("int8", "--head-bits", "4"),
+@pytest.mark.parametrize("args", [("int4", "--method", "gptq", "--asym"), ("int4", "--method", "gptq", "--clip-search"),
+                                  ("int8", "--head-bits", "4"),
                                   ("bf16", "--head-bits", "16"), ("int4", "--method", "awq", "--head-bits", "32")])
 def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, args):
     from gf_testutil import assert_close_for_kernels, chosen_kernels
@@ -237,6 +269,8 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
     assert ("awq" in args) == hasattr(q.blocks[0].linear1, "act_scale")
     # GPTQ's head dampening is on record where GPTQ rounded the head
     assert json.loads((out / "weight_only.json").read_text())["head_damp"] == (0.5 if "gptq" in args else None)
+    assert json.loads((out / "weight_only.json").read_text())["clip"] is ("--clip-search" in args)
+    assert ("clip-searched grids" in stdout) is ("--clip-search" in args)
     ids = torch.randint(0, 4096, (2, 16))
     lq, lf = q(ids).logits, f(ids).logits
     rel = float((lq - lf).detach().norm() / lf.detach().norm())
@@ -261,6 +295,8 @@ def test_quantized_directory_loads_and_generates(run_cli, float_dir, tmp_path, a
     (("--weights", "int4", "--method", "awq", "--act-order", "--out", "X"), "--act-order"),
     (("--asym", "--convert", "--out", "X"), "--asym"),
     (("--weights", "int4", "--method", "gptq", "--calib", "MISSING", "--out", "X"), "--calib"),
+    (("--weights", "bf16", "--clip-search", "--out", "X"), "--clip-search"),
+    (("--clip-search", "--convert", "--out", "X"), "--clip-search"),
 ])
 def test_bad_flags_are_one_line_errors(run_cli, float_dir, tmp_path, extra, needle):
     src, _ = float_dir

@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--samples", type=int, default=32, help="calibration windows (default 32)")
     w.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01; the tied head at least 0.5)")
+    w.add_argument("--clip-search", action="store_true", help="round on clip-searched group grids, as quantize "
+                   "--clip-search will")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,7 +150,8 @@ def _refuse_weight_flags(args: argparse.Namespace) -> None:
 
     given = [f for f, v in (("--group-size", args.group_size != 64), ("--method", args.method != "rtn"),
                             ("--asym", args.asym), ("--calib", args.calib), ("--samples", args.samples != 32),
-                            ("--seq-len", args.seq_len != 256), ("--damp", args.damp != 0.01)) if v]
+                            ("--seq-len", args.seq_len != 256), ("--damp", args.damp != 0.01),
+                            ("--clip-search", args.clip_search)) if v]
     if given:
         raise UsageError(f"{given[0]} applies with --weights int4 (weight-only sensitivity)")
 
@@ -178,14 +181,15 @@ def _weights(args: argparse.Namespace) -> int:
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
     _check_out(args)
     cfg = config_from_args(args)
-    spec = WeightOnlySpec(bits=4, group_size=args.group_size, sym=not args.asym, method=args.method)
+    spec = WeightOnlySpec(bits=4, group_size=args.group_size, sym=not args.asym, method=args.method,
+                          clip=args.clip_search)
     with lock_dir(args.out, "analyze"):
         r = run_weight_analysis(args.ckpt, args.out, spec, cfg=cfg, calib=args.calib, samples=args.samples,
                                 seq_len=args.seq_len, metric=metric, method=args.method, damp=args.damp,
                                 resume=not args.force, progress=not args.no_progress)
     a = r.analysis
     print(f"gptforge analyze: weight-only int4 {'g' + str(args.group_size) if args.group_size else 'per row'} "
-          f"({args.method}), {a.metric_label}; calibration {r.calibration}"
+          f"({args.method}{', clip-searched grids' if args.clip_search else ''}), {a.metric_label}; calibration {r.calibration}"
           + (f" ({a.resumed} layers resumed)" if a.resumed else ""))
     lines = (r.files["txt"]).read_text(encoding="utf-8").splitlines()[2:]
     notes = [ln for ln in lines[1:] if ln.startswith("#")]  # the head-row ladder, after the ranking

@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the model's max_position_embeddings)")
     w.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean diag H (default 0.01; the tied head at least 0.5)")
     w.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    w.add_argument("--clip-search", action="store_true", help="each group's range shrunk by the ratio in 1.0 ... 0.5 "
+                   "with the smallest rounding error instead of its abs-max (rtn, gptq, awq; the plan's analysis too)")
     add_overwrite_arg(p)
 
 
@@ -112,7 +114,8 @@ def _show(args, cfg) -> int:
 def _refuse_weight_flags(args) -> None:
     given = [f for f, v in (("--group-size", args.group_size is not None), ("--method", args.method != "rtn"),
                             ("--asym", args.asym), ("--head-bits", args.head_bits is not None), ("--calib", args.calib),
-                            ("--act-order", args.act_order), ("--avg-bits", args.avg_bits is not None),
+                            ("--act-order", args.act_order), ("--clip-search", args.clip_search),
+                            ("--avg-bits", args.avg_bits is not None),
                             ("--max-bytes", args.max_bytes is not None), ("--sensitivity", args.sensitivity)) if v]
     if given:
         raise UsageError(f"{given[0]} applies with --weights int8|int4|bf16")
@@ -129,19 +132,23 @@ def _weight_spec(args):
     if args.convert:
         raise UsageError("--convert (INT8 from a QAT/PTQ model) and --weights (a float model's weights) "
                          "are separate runs; give one")
-    if args.weights == "bf16" and (args.group_size or args.asym or args.method != "rtn"):
-        raise UsageError("--weights bf16 takes no --group-size / --asym / --method gptq|awq (bf16 is a cast)")
+    if args.weights == "bf16" and (args.group_size or args.asym or args.method != "rtn" or args.clip_search):
+        raise UsageError("--weights bf16 takes no --group-size / --asym / --method gptq|awq / --clip-search "
+                         "(bf16 is a cast)")
     if args.method != "rtn" and (args.samples < 1 or args.seq_len < 1):
         raise UsageError(f"--samples {args.samples} / --seq-len {args.seq_len}: give positive counts")
     if not 0 < args.damp < 1:
         raise UsageError(f"--damp {args.damp}: give a fraction in (0, 1), e.g. 0.01")
     bits = {"int8": 8, "int4": 4, "bf16": 16}[args.weights]
     qat = qat_weight_spec(args.ckpt)
+    if qat is not None and args.clip_search:
+        raise UsageError(f"--clip-search: {args.ckpt} is a 4-bit QAT model, trained on its own grid (which quantize "
+                         "keeps); leave --clip-search out")
     default = qat or WeightOnlySpec(bits=bits, group_size=64 if bits == 4 else 0, head_bits=8)
     return WeightOnlySpec(bits=bits, group_size=default.group_size if args.group_size is None else args.group_size,
                           sym=default.sym and not args.asym,
                           head_bits=default.head_bits if args.head_bits is None else args.head_bits,
-                          method=args.method)
+                          method=args.method, clip=args.clip_search)
 
 
 def _budget(args):
@@ -189,7 +196,8 @@ def _weights(args, cfg) -> int:
                f"head {p.layer_bits['wte']} bits{rows}; plan in quant_plan.md)"
     else:
         head = f"head {spec.head_bits} bits"
-    method = "the QAT model's learned scales" if r.learned_scales else spec.method
+    method = ("the QAT model's learned scales" if r.learned_scales
+              else spec.method + (", clip-searched grids" if spec.clip else ""))
     print(f"gptforge quantize: weights {fmt} ({method}), {head}: {r.avg_bits:.3f} bits per planned weight "
           f"({r.stored_bits:.3f} stored with scales), {r.quantized_bytes / 2**20:.2f} MiB (float "
           f"{r.float_bytes / 2**20:.2f} MiB)"

@@ -44,17 +44,26 @@ def _cholesky_inverse_upper(H: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
-def _static_groups(W: torch.Tensor, bits: int, g: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [rows], zero [rows]) of the columns `w` as one group: abs-max, or the clip search's."""
+    if not clip:
+        return lowbit.group_params(w, bits, sym)
+    scale, zero = lowbit.clip_search(w, bits, 0, sym)
+    return scale[:, 0].to(w.dtype), zero[:, 0].to(w.dtype)
+
+
+def _static_groups(W: torch.Tensor, bits: int, g: int, sym: bool, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cols = W.shape[1]
-    sz = [lowbit.group_params(W[:, i:i + g], bits, sym) for i in range(0, cols, g)]
+    sz = [_group_params(W[:, i:i + g], bits, sym, clip) for i in range(0, cols, g)]
     return torch.stack([s for s, _ in sz], 1), torch.stack([z for _, z in sz], 1)
 
 
 @torch.no_grad()
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 0, sym: bool = True,
-                  damp: float = 0.01, block: int = 128, act_order: bool = False):
+                  damp: float = 0.01, block: int = 128, act_order: bool = False, clip: bool = False):
     """(q int8 [out, in], scale [out, groups], zero [out, groups]) for weight `W` [out, in]
-    and Hessian `H` [in, in]; computed in W's dtype (float32, or float64 for references)."""
+    and Hessian `H` [in, in]; computed in W's dtype (float32, or float64 for references).
+    `clip`: each group's grid from `lowbit.clip_search` of the (error-updated) weights, not abs-max."""
     W = W.clone()
     rows, cols = W.shape
     g = group_size or cols
@@ -62,7 +71,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int =
     dead = H.diagonal() == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    fixed = _static_groups(W, bits, g, sym) if act_order or g == cols else None
+    fixed = _static_groups(W, bits, g, sym, clip) if act_order or g == cols else None
     perm = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(cols)
     W, H = W[:, perm], H[perm][:, perm]
     Hinv = _cholesky_inverse_upper(H, damp)
@@ -78,7 +87,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int =
             col = int(perm[i1 + i])
             grp = col // g
             if fixed is None and (i1 + i) % g == 0:  # a group's first column: its params from the updated W
-                scale[:, grp], zero[:, grp] = lowbit.group_params(W1[:, i:i + g], bits, sym)
+                scale[:, grp], zero[:, grp] = _group_params(W1[:, i:i + g], bits, sym, clip)
             elif fixed is not None:
                 scale[:, grp], zero[:, grp] = fixed[0][:, grp], fixed[1][:, grp]
             q = lowbit.quantize_cols(W1[:, i:i + 1], scale[:, grp], zero[:, grp], bits)[:, 0]
@@ -117,6 +126,6 @@ def gptq_model(model: nn.Module, spec: WeightOnlySpec, batches: list[torch.Tenso
 
     def quantize(name: str, H: torch.Tensor) -> None:
         quantize_layer(model, name, spec, rounder=lambda w, bits: gptq_quantize(
-            w, H, bits, spec.group_size, spec.sym, damp=damp_for(name, damp), act_order=act_order))
+            w, H, bits, spec.group_size, spec.sym, damp=damp_for(name, damp), act_order=act_order, clip=spec.clip))
 
     return calibrated_walk(model, spec, batches, _Hessian, quantize, desc="gptq", progress=progress)

@@ -74,9 +74,10 @@ def rounded_weight(w: torch.Tensor, bits: int, spec: WeightOnlySpec, H: torch.Te
                    damp: float = 0.01, act_order: bool = False) -> torch.Tensor:
     """`w` as the weight-only layer computes with it: rounded to nearest, or by GPTQ given H."""
     if H is None:
-        q, s, z = lowbit.quantize_rtn(w, bits, spec.group_size, spec.sym)
+        q, s, z = lowbit.quantize_rtn(w, bits, spec.group_size, spec.sym, spec.clip)
     else:
-        q, s, z = gptq_quantize(w.float(), H, bits, spec.group_size, spec.sym, damp=damp, act_order=act_order)
+        q, s, z = gptq_quantize(w.float(), H, bits, spec.group_size, spec.sym, damp=damp, act_order=act_order,
+                                clip=spec.clip)
     return lowbit.dequantize(q, s, z, spec.group_size).to(w.dtype)
 
 

@@ -47,19 +47,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_s
     return ((qf - zero.to(dtype).unsqueeze(-1)) * scale.to(dtype).unsqueeze(-1)).reshape(rows, cols)
 
 
-def rtn_grid(w: torch.Tensor, bits: int, group_size: int, sym: bool):
-    """Round-to-nearest: (q [rows, cols] as fp32 integers, scale fp32 [rows, groups], zero [rows, groups])."""
+def rtn_grid(w: torch.Tensor, bits: int, group_size: int, sym: bool, clip: bool = False):
+    """Round-to-nearest: (q [rows, cols] as fp32 integers, scale fp32 [rows, groups], zero [rows, groups])
+    on each group's abs-max grid, or with `clip` on `clip_search`'s."""
     rows, cols = w.shape
     g = group_size or cols
     wg = w.float().reshape(rows * (cols // g), g)
-    scale, zero = group_params(wg, bits, sym)
+    if clip:
+        scale, zero = (t.reshape(-1) for t in clip_search(w, bits, group_size, sym))
+    else:
+        scale, zero = group_params(wg, bits, sym)
     q = quantize_cols(wg, scale, zero, bits)
     return q.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
-    """Round-to-nearest: (q int8 [rows, cols], scale fp32 [rows, groups], zero [rows, groups])."""
-    q, scale, zero = rtn_grid(w, bits, group_size, sym)
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, clip: bool = False):
+    """Round-to-nearest: (q int8 [rows, cols], scale fp32 [rows, groups], zero [rows, groups]);
+    `clip`: on `clip_search`'s grid."""
+    q, scale, zero = rtn_grid(w, bits, group_size, sym, clip)
     return q.to(torch.int8), scale, zero
 
 

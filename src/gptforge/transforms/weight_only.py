@@ -66,6 +66,9 @@ class WeightOnlySpec:
     sym: bool = True
     head_bits: int = 8
     method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
+    # each group's range from `lowbit.clip_search` (the shrink with the smallest rounding error)
+    # instead of its abs-max; how the integers were chosen, not how they load
+    clip: bool = False
     layer_bits: dict[str, int] | None = dataclasses.field(default=None, hash=False)
     # token ids (ascending) of the head rows kept at 8 bits while the head is at 4 (a plan's
     # `MixedRowsEmbedding`); empty: the head is one table
@@ -195,9 +198,9 @@ class WeightOnlyLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int, sym: bool,
-                   quantized=None, act_scale: torch.Tensor | None = None) -> WeightOnlyLinear:
-        """A layer holding `w` [out, in] rounded to nearest, or `quantized` = (q, scale, zero) (GPTQ);
-        with `act_scale` s (AWQ), w · diag(s) rounded to nearest."""
+                   quantized=None, act_scale: torch.Tensor | None = None, clip: bool = False) -> WeightOnlyLinear:
+        """A layer holding `w` [out, in] rounded to nearest (`clip`: on the clip search's grid), or
+        `quantized` = (q, scale, zero) (GPTQ); with `act_scale` s (AWQ), w · diag(s) rounded."""
         mod = cls(w.shape[1], w.shape[0], bias=bias is not None, bits=bits, group_size=group_size, sym=sym,
                   act_scale=act_scale is not None, device=w.device)
         if bias is not None:
@@ -208,7 +211,7 @@ class WeightOnlyLinear(nn.Module):
         if bits == 16:
             mod.weight.copy_(w.to(torch.bfloat16))
             return mod
-        q, scale, zero = quantized if quantized is not None else lowbit.quantize_rtn(w, bits, group_size, sym)
+        q, scale, zero = quantized if quantized is not None else lowbit.quantize_rtn(w, bits, group_size, sym, clip)
         mod.weight.copy_(lowbit.pack_int4(q) if bits == 4 else q.to(torch.int8))
         mod.weight_scale.copy_(scale.float())
         if not sym:
@@ -429,14 +432,14 @@ def quantize_layer(model: nn.Module, name: str, spec: WeightOnlySpec, quantized=
         for part, rows, b in parts:
             got = quantized if quantized is not None else rounder(rows.float(), b) if rounder and b < 16 else None
             part.load_state_dict(WeightOnlyLinear.from_float(rows, None, b, spec.group_size, spec.sym,
-                                                             got).state_dict())
+                                                             got, clip=spec.clip).state_dict())
         install_embedding(model, new)
         return
     lin = model.get_submodule(name)
     if rounder is not None and quantized is None and bits < 16:
         quantized = rounder(lin.weight.detach().float(), bits)
     model.set_submodule(name, WeightOnlyLinear.from_float(lin.weight.detach(), lin.bias, bits, spec.group_size,
-                                                  spec.sym, quantized, act_scale))
+                                                  spec.sym, quantized, act_scale, clip=spec.clip))
 
 
 def quantize_rtn_model(model: nn.Module, spec: WeightOnlySpec, grids: dict | None = None) -> nn.Module:
