@@ -25,9 +25,8 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 (`bits=16`) take `native` too; longer batches use `bf16` where native, else `fp32` (a bf16 -> fp32
 copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
 does not cover (longer batches) and is a UsageError where the kernels cannot be built.
-Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at
-batch 1 in torch 2.13; `native` is the batch-1 path. A plan's head may keep some rows at 8 bits
-(`weight_only_rows`)."""
+Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at batch
+1 in torch 2.13; `native` is the batch-1 path. A plan's head may keep rows at 8 bits (`weight_only_rows`)."""
 
 from __future__ import annotations
 
@@ -66,9 +65,7 @@ class WeightOnlySpec:
     sym: bool = True
     head_bits: int = 8
     method: str = "rtn"  # rtn | gptq | awq (awq layers carry `act_scale`)
-    # each group's range from `lowbit.clip_search` (the shrink with the smallest rounding error)
-    # instead of its abs-max; how the integers were chosen, not how they load
-    clip: bool = False
+    clip: bool = False  # groups' ranges from `lowbit.clip_search`, not abs-max (how q was chosen; loads alike)
     layer_bits: dict[str, int] | None = dataclasses.field(default=None, hash=False)
     # token ids (ascending) of the head rows kept at 8 bits while the head is at 4 (a plan's
     # `MixedRowsEmbedding`); empty: the head is one table
