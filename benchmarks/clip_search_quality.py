@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from lowbit_quality import cli, heldout_text, score, train  # noqa: E402  (benchmarks/ is on sys.path)
-from qat_quality import cpu_flags, cpu_name, tokenizer  # noqa: E402
+from lowbit_quality import cli, score, setup  # noqa: E402  (benchmarks/ is on sys.path)
+from qat_quality import cpu_flags, cpu_name  # noqa: E402
 
 
 def variants(head_bits: int) -> dict[str, list[str]]:
@@ -48,14 +48,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", help="write the results (JSON) here too")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    tok, tok_dir = tokenizer(work)
-    ckpt, cfg = train(work, tok, tok_dir, args)
-    text = heldout_text(work, tok, cfg, args.heldout_chars)
+    work, _, _, ckpt, _, text = setup(args, args.heldout_chars)
     sub = work / f"clip_p{args.steps}"
     sub.mkdir(exist_ok=True)
 

@@ -91,6 +91,19 @@ def score(ckpt: Path, text: Path, out: Path, seq: int) -> dict:
     return json.loads(out.read_text())["metrics"]
 
 
+def setup(args, chars: int = 40_000):
+    """Threads and seed, then `args.work`'s tokenizer, float model (trained when missing) and
+    held-out text: (work, tok, tok_dir, ckpt, cfg, text)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tok, tok_dir = tokenizer(work)
+    ckpt, cfg = train(work, tok, tok_dir, args)
+    return work, tok, tok_dir, ckpt, cfg, heldout_text(work, tok, cfg, chars)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="runs/bench_lowbit")
@@ -101,14 +114,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", help="write the results (JSON) here too")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    tok, tok_dir = tokenizer(work)
-    ckpt, cfg = train(work, tok, tok_dir, args)
-    text = heldout_text(work, tok, cfg)
+    work, tok, tok_dir, ckpt, cfg, text = setup(args)
     rows = {}
     for name, flags in VARIANTS.items():
         path = ckpt
