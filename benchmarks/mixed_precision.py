@@ -132,11 +132,14 @@ def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: P
     (calibrated on `calib`, else on the built-in corpus's first documents)."""
     path, t0 = ckpt, time.perf_counter()
     if flags is not None:
-        path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name) + (f"_{calib.stem}" if calib else ""))
-        cli("quantize", "--ckpt", ckpt, "--out", path, "--force", *flags, "--samples", args.samples,
+        clip = ["--clip-search"] if args.clip_search else []
+        path = work / ("mixed_" + "".join(c if c.isalnum() else "_" for c in name) + (f"_{calib.stem}" if calib else "")
+                       + ("_clip" if clip else ""))
+        cli("quantize", "--ckpt", ckpt, "--out", path, "--force", *flags, *clip, "--samples", args.samples,
             "--seq-len", args.seq, "--no-progress", *(("--calib", calib) if calib else ()))
     secs = time.perf_counter() - t0
-    m = score(path, text, work / f"{path.name}_eval.json", args.seq)
+    chars = "" if args.heldout_chars == 40_000 else f"_{args.heldout_chars}"  # the earlier runs' files: 40,000
+    m = score(path, text, work / f"{path.name}_eval{chars}.json", args.seq)
     spec_file, plan_file = path / "weight_only.json", path / "quant_plan.json"
     spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
@@ -222,6 +225,10 @@ def parse_args():
     ap.add_argument("--log", action="store_true", help="print the training run's log lines")
     ap.add_argument("--calib-sets", type=int, default=1, help="repeat the mixed model and the uniform GPTQ references "
                     "with this many disjoint calibration texts (the default one first) and judge on the means")
+    ap.add_argument("--clip-search", action="store_true", help="the analysis and every quantized variant on "
+                    "clip-searched group grids (quantize --clip-search)")
+    ap.add_argument("--heldout-chars", type=int, default=40_000, help="held-out text: whole Eval-split documents up "
+                    "to this many characters (400000: ten times steadier than the default's 40,000)")
     ap.add_argument("--out", help="write the results (JSON) here too, after every variant")
     args = ap.parse_args()
     if args.calib_sets < 1:
@@ -243,13 +250,14 @@ def main() -> None:
     t0 = time.perf_counter()
     ckpt, cfg = train(work, tok, tok_dir, args, shape, tag, echo=args.log)
     train_s = time.perf_counter() - t0
-    text = heldout_text(work, tok, cfg)
-    sens = work / f"mixed_{tag}analysis"
+    text = heldout_text(work, tok, cfg, args.heldout_chars)
+    sens = work / f"mixed_{tag}analysis{'_clip' if args.clip_search else ''}"
     t0 = time.perf_counter()
     if not (sens / "analysis.json").is_file() or not json.loads((sens / "analysis.json").read_text()).get("complete"):
         print(f"analysis starts, load average {os.getloadavg()[0]:.1f}", flush=True)
     cli("analyze", "--ckpt", ckpt, "--group-size", "64", "--weights", "int4", "--method", "gptq", "--samples",
-        args.samples, "--seq-len", args.seq, "--out", sens, "--no-progress", "--show", "8")
+        args.samples, "--seq-len", args.seq, "--out", sens, "--no-progress", "--show", "8",
+        *(["--clip-search"] if args.clip_search else []))
     analysis_s = time.perf_counter() - t0
     rec = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "load_start": load0, "steps": args.steps, "shape": args.shape,

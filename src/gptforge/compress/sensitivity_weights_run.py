@@ -28,7 +28,8 @@ def spec_fingerprint(spec: WeightOnlySpec, method: str, damp: float, act_order: 
     """What a sensitivity file's increases depend on besides the model and the text."""
     return {"group_size": spec.group_size, "sym": spec.sym, "method": method,
             "damp": damp if method == "gptq" else None, "act_order": act_order if method == "gptq" else None,
-            "head_damp": damp_for("wte", damp) if method == "gptq" else None, "clip": spec.clip}
+            "head_damp": damp_for("wte", damp) if method == "gptq" else None,
+            **({"clip": True} if spec.clip else {})}  # absent when off: analyses from before the flag still resume
 
 
 def run_weight_analysis(ckpt: str | os.PathLike, out_dir: str | os.PathLike, spec: WeightOnlySpec, *, cfg=None,
