@@ -139,7 +139,10 @@ def measure(name: str, flags, ckpt: Path, work: Path, text: Path, args, calib: P
             "--seq-len", args.seq, "--no-progress", *(("--calib", calib) if calib else ()))
     secs = time.perf_counter() - t0
     chars = "" if args.heldout_chars == 40_000 else f"_{args.heldout_chars}"  # the earlier runs' files: 40,000
-    m = score(path, text, work / f"{path.name}_eval{chars}.json", args.seq)
+    out = work / f"{path.name}_eval{chars}.json"
+    if flags is not None:  # quantized again just now: its old score is stale (the float model's is not)
+        out.unlink(missing_ok=True)
+    m = json.loads(out.read_text())["metrics"] if out.is_file() else score(path, text, out, args.seq)
     spec_file, plan_file = path / "weight_only.json", path / "quant_plan.json"
     spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
