@@ -147,3 +147,29 @@ def test_fisher_score_is_the_kl_a_row_error_causes():
             ratio = float(score[v]) / T / float(kl)  # the score is per window of T positions; the KL per position
             # rows never read: the head's exact part alone; rows read: plus a sampled part
             assert (0.97 < ratio < 1.03) if v not in read else (0.7 < ratio < 1.3), (v, ratio)
+
+
+def test_rows_are_ranked_by_token_counts_then_by_the_fisher_gain(monkeypatch):
+    """`row_order` with counts: the counted tokens first, most frequent first; the rows the count
+    never saw keep the order of the Fisher estimate alone; `token_counts` counts the first
+    COUNT_TOKENS ids only."""
+    from gptforge.compress import head_rows
+
+    m = _model()
+    torch.manual_seed(3)
+    batches = [{"tokens": torch.randint(0, VOCAB, (4, 10))}]
+    w = m.wte.weight.detach().clone()
+    w4, w8 = _rounded(w, 4), _rounded(w, 8)
+    plain = head_rows.row_order(m, batches, w, w4, w8).tolist()
+    monkeypatch.setattr(head_rows, "COUNT_TOKENS", 9)
+    ids = [7, 7, 7, 300, 300, 5, 300, 7, 300, 5, 5, 5, 5]  # counted: 7 x4, 300 x4, 5 x1; the tail is cut
+    counts = head_rows.token_counts(ids + [-1, VOCAB + 2], VOCAB)
+    assert counts.sum() == 9 and counts[7] == counts[300] == 4 and counts[5] == 1
+    order = head_rows.row_order(m, batches, w, w4, w8, counts).tolist()
+    assert sorted(order) == list(range(VOCAB))
+    tie = sorted([7, 300], key=plain.index)  # equal counts: the Fisher order decides
+    assert order[:3] == [*tie, 5]
+    assert order[3:] == [v for v in plain if v not in (5, 7, 300)]
+    res = head_rows.head_rows_result(torch.tensor(order), [], counts)
+    assert res["score"] == head_rows.SCORE and res["counts"] == head_rows.counts_digest(counts)
+    assert head_rows.counts_digest(counts) != head_rows.counts_digest(head_rows.token_counts(ids[:5], VOCAB))

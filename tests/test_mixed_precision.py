@@ -68,7 +68,7 @@ def test_analyze_has_one_finite_row_per_linear_and_the_head(float_dir, analysis,
     # the head's rows: a ranking of every row and the measured ladder, more rows at 8 bits costing less
     hr = state["head_rows"]
     vocab = m.wte.num_embeddings
-    assert hr["score"] == "fisher" and sorted(hr["order"]) == list(range(vocab))
+    assert hr["score"] == "counts+fisher" and sorted(hr["order"]) == list(range(vocab)) and len(hr["counts"]) == 16
     ks = [r["rows8"] for r in hr["ladder"]]
     assert ks == sorted(ks) and ks[0] > 0 and ks[-1] < vocab and len(ks) >= 8
     inc = [r["increase"] for r in hr["ladder"]]
@@ -80,6 +80,36 @@ def test_analyze_has_one_finite_row_per_linear_and_the_head(float_dir, analysis,
                              "--out", analysis.parent, "--no-progress")
     assert code == 0, err
     assert f"({len(names)} layers resumed)" in out
+
+
+def test_head_rows_are_ranked_by_the_calibration_texts_token_counts(float_dir, analysis, run_cli, tmp_path):
+    """The ranking puts the calibration text's most frequent tokens first; an analysis ranked
+    before the counts (score "fisher") is ranked and measured again when it resumes, its layers not."""
+    import shutil
+
+    from gptforge.compress.head_rows import counts_digest, token_counts
+    from gptforge.compress.weight_only_run import calibration_tokens, load_float_model
+
+    src, text = float_dir
+    model, _, tok, _ = load_float_model(src)
+    counts = token_counts(calibration_tokens(tok, text, 0), model.wte.num_embeddings)
+    hr = json.loads(analysis.read_text())["head_rows"]
+    seen = int((counts > 0).sum())
+    assert hr["counts"] == counts_digest(counts) and 0 < seen < len(counts)
+    assert [int(counts[v]) for v in hr["order"][:seen]] == sorted(counts[counts > 0].tolist(), reverse=True)
+    old = tmp_path / "old"
+    shutil.copytree(analysis.parent, old)
+    state = json.loads((old / "analysis.json").read_text())
+    state["head_rows"] = {"score": "fisher", "order": hr["order"][::-1],
+                          "ladder": [{"rows8": r["rows8"], "increase": 1.0} for r in hr["ladder"]]}
+    (old / "analysis.json").write_text(json.dumps(state))
+    code, out, err = run_cli("analyze", "--ckpt", src, "--weights", "int4", "--calib", text, *CALIB,
+                             "--out", old, "--no-progress")
+    assert code == 0, err
+    assert f"({len(state['layers'])} layers resumed)" in out
+    again = json.loads((old / "analysis.json").read_text())["head_rows"]
+    assert again["order"] == hr["order"] and again["counts"] == hr["counts"]
+    assert [r["increase"] for r in again["ladder"]] == pytest.approx([r["increase"] for r in hr["ladder"]])
 
 
 def test_the_metric_is_zero_on_the_float_model_and_loss_works(float_dir):

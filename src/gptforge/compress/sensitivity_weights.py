@@ -92,9 +92,10 @@ def build_metric(model: nn.Module, batches: list[dict], metric: str) -> sens.Met
 def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dict], *, metric: str = "kl",
                        method: str = "rtn", damp: float = 0.01, act_order: bool = False, eight_bits: bool = True,
                        state_path: str | Path | None = None, fingerprint: dict | None = None, resume: bool = True,
-                       progress: bool = False) -> sens.Analysis:
+                       progress: bool = False, row_counts: torch.Tensor | None = None) -> sens.Analysis:
     """Each planned layer's increase in `metric` with only it rounded to 4 bits (and 8 with
-    `eight_bits`) on `batches` of the float `model` (see the module docstring)."""
+    `eight_bits`) on `batches` of the float `model` (see the module docstring); the head's rows
+    ranked by `row_counts` first (`head_rows.token_counts` of the calibration text)."""
     if method not in METHODS:
         raise UsageError(f"--method {method}: the weight-only analysis rounds with rtn or gptq")
     check_shapes(model, spec)
@@ -118,10 +119,10 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
     a = sens.run_layers(model, m, MODE, names, lambda: m(model), evaluate, state_path=state_path,
                         fingerprint=fingerprint, resume=resume, progress=progress, reference=reference)
     if HEAD in names and spec.bits_for(HEAD) in (4, 8):
-        a.head_rows = _earlier_head_rows(state_path, resume, len(model.wte.weight))
+        a.head_rows = _earlier_head_rows(state_path, resume, len(model.wte.weight), row_counts)
         if a.head_rows is None:
             a.head_rows = head_row_ladder(model, spec, batches, m, a.base_value, hs.get(HEAD), damp, act_order,
-                                          progress)
+                                          progress, row_counts)
             if state_path is not None:
                 sens._write_state(Path(state_path), a, sens.full_fingerprint(fingerprint, MODE, m.name, names))
     return a
@@ -129,12 +130,13 @@ def weight_sensitivity(model: nn.Module, spec: WeightOnlySpec, batches: list[dic
 
 def head_row_ladder(model: nn.Module, spec: WeightOnlySpec, batches: list[dict], m: sens.Metric, base: float,
                     H: torch.Tensor | None = None, damp: float = 0.01, act_order: bool = False,
-                    progress: bool = False) -> dict:
-    """The head's rows ranked by their estimated gain from 8 bits and the measured increase with
-    the top k at 8 bits for k on `head_rows.FRACTIONS` of the vocabulary (`head_rows`)."""
+                    progress: bool = False, counts: torch.Tensor | None = None) -> dict:
+    """The head's rows ranked (`head_rows.row_order`: by `counts`, then the estimated gain from 8
+    bits) and the measured increase with the top k at 8 bits for k on `head_rows.FRACTIONS` of the
+    vocabulary (`head_rows`)."""
     w = model.wte.weight.detach().float()
     w4, w8 = (rounded_weight(w, b, spec, H, damp_for(HEAD, damp), act_order) for b in (4, 8))
-    order = head_rows.row_order(model, batches, w, w4, w8)
+    order = head_rows.row_order(model, batches, w, w4, w8, counts)
     sizes = head_rows.ladder_sizes(len(w))
     pbar = bar(total=len(sizes), desc="analyze (head rows)", unit="step", enabled=progress)
 
@@ -146,11 +148,12 @@ def head_row_ladder(model: nn.Module, spec: WeightOnlySpec, batches: list[dict],
         ladder = head_rows.measure_ladder(measured, w4, w8, order, sizes, progress=lambda k: pbar.update(1))
     finally:
         pbar.close()
-    return head_rows.head_rows_result(order, ladder)
+    return head_rows.head_rows_result(order, ladder, counts)
 
 
-def _earlier_head_rows(state_path, resume: bool, vocab: int) -> dict | None:
-    """A complete earlier run's head-row ladder (`run_layers` has checked that the state file is of these inputs)."""
+def _earlier_head_rows(state_path, resume: bool, vocab: int, counts: torch.Tensor | None) -> dict | None:
+    """A complete earlier run's head-row ladder (`run_layers` has checked that the state file is of
+    these inputs) when it was ranked the way this run ranks (the same token counts, or none)."""
     if state_path is None or not resume or not Path(state_path).is_file():
         return None
     hr = json.loads(Path(state_path).read_text(encoding="utf-8")).get("head_rows")
@@ -158,6 +161,8 @@ def _earlier_head_rows(state_path, resume: bool, vocab: int) -> dict | None:
         head_rows.parse_head_rows(hr, vocab)
     except ValueError:  # none yet, or damaged: measured again
         return None
+    if hr.get("counts") != (None if counts is None else head_rows.counts_digest(counts)):
+        return None  # ranked otherwise (e.g. before the counts): ranked and measured again
     return hr
 
 

@@ -34,23 +34,30 @@ class WeightOnlyResult:
     learned_scales: bool = False  # a weight-only QAT checkpoint's learned grid (`learn_scales`) was stored
 
 
-def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int) -> list[torch.Tensor]:
-    """`samples` windows [1, seq_len] of token ids, consecutive, from `text_file` or the
-    built-in corpus (its documents in order, joined by the end-of-text token)."""
+def calibration_tokens(tokenizer, text_file: str | os.PathLike | None, upto: int) -> list[int]:
+    """Token ids of `text_file` (all of it) or of the built-in corpus's documents in order, each
+    followed by the end-of-text token, until there are at least `upto` (fewer when the corpus ends)."""
     if text_file is not None:
         try:
             text = Path(text_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"--calib {text_file}: cannot read it as UTF-8 text ({e.__class__.__name__})") from None
-        ids = tokenizer.encode(text)
-    else:
-        from gptforge.data.corpus import builtin_documents
+        return tokenizer.encode(text)
+    from gptforge.data.corpus import builtin_documents
 
-        ids, eos = [], tokenizer.eos_token_id
-        for doc in builtin_documents():
-            ids += tokenizer.encode(doc) + ([eos] if eos is not None else [])
-            if len(ids) >= samples * seq_len:
-                break
+    ids, eos = [], tokenizer.eos_token_id
+    for doc in builtin_documents():
+        ids += tokenizer.encode(doc) + ([eos] if eos is not None else [])
+        if len(ids) >= upto:
+            break
+    return ids
+
+
+def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int,
+                    tokens: list[int] | None = None) -> list[torch.Tensor]:
+    """`samples` windows [1, seq_len] of token ids, consecutive, from the start of `tokens` or of
+    `calibration_tokens(tokenizer, text_file, ...)`."""
+    ids = tokens if tokens is not None else calibration_tokens(tokenizer, text_file, samples * seq_len)
     if len(ids) < samples * seq_len:
         where = f"--calib {text_file}" if text_file is not None else "the built-in corpus"
         raise DataError(f"{where}: {len(ids)} tokens, fewer than --samples {samples} x --seq-len {seq_len}; "
