@@ -312,7 +312,8 @@ def plan_markdown(plan: Plan, metric: str = "") -> str:
              f"of tensors ({plan.fixed_bytes} outside the planned layers).",
              f"Summed measured increase{' (' + metric + ')' if metric else ''}: {plan.increase:.6g} "
              f"(every layer at 4 bits: {plan.uniform4_increase:.6g}).",
-             *([f"The head's {len(plan.head_rows8)} rows of most measured use at 8 bits, the others at 4 (the rows: "
+             *([f"The head's {len(plan.head_rows8)} top-ranked rows (the analysis's ranking: by the calibration text's "
+                "token counts) at 8 bits, the others at 4 (the rows: "
                 "weight_only.json `head_rows8`)."] if plan.head_rows8 else []),
              *(f"Note: {n}." for n in plan.notes), "",
              "| layer | params | bits | bytes | increase@4 | increase@8 |", "|---|---:|---:|---:|---:|---:|"]
