@@ -270,6 +270,21 @@ def test_max_bytes_measured_on_the_fly_fits(float_dir, run_cli, tmp_path):
     assert 8 in plan["layer_bits"].values()
 
 
+def test_a_plan_measured_on_the_fly_ranks_the_head_rows_as_analyze_does(float_dir, analysis, run_cli, tmp_path):
+    """`quantize --avg-bits` without --sensitivity measures the analysis itself, the head's rows
+    ranked by the same token counts: its 8-bit rows are the top of `analyze`'s ranking."""
+    from gptforge.transforms.weight_only import read_spec
+
+    src, text = float_dir
+    out = tmp_path / "fly"
+    code, _, err = run_cli("quantize", "--ckpt", src, "--out", out, "--weights", "int4", "--calib", text, *CALIB,
+                           "--avg-bits", "4.6", "--no-progress")
+    assert code == 0, err
+    rows8 = read_spec(out).head_rows8
+    order = json.loads(analysis.read_text())["head_rows"]["order"]
+    assert len(rows8) > 0 and list(rows8) == sorted(order[: len(rows8)])
+
+
 @pytest.mark.parametrize("extra,needle", [
     (("--weights", "int8", "--avg-bits", "5"), "--weights int4"),
     (("--weights", "int4", "--avg-bits", "5", "--max-bytes", "9"), "one"),

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from gptforge.compress import head_rows
 from gptforge.compress import sensitivity as sens
 from gptforge.compress.gptq import damp_for
 from gptforge.compress.sensitivity_weights import MODE, calibration_batches, weight_sensitivity
@@ -40,14 +39,13 @@ def run_weight_analysis(ckpt: str | os.PathLike, out_dir: str | os.PathLike, spe
     """Analyse the float model at `ckpt` and write `out_dir`/analysis.json + analysis.txt."""
     from gptforge.compress import bit_plan
     from gptforge.compress.sensitivity_run import _batches_digest, checkpoint_digest
-    from gptforge.compress.weight_only_run import calibration_ids, calibration_tokens, load_float_model
+    from gptforge.compress.weight_only_run import load_float_model, sensitivity_inputs
     from gptforge.evaluate.common import write_json_atomic, write_text_atomic
 
     model, cfg, tokenizer, _ = load_float_model(ckpt, cfg)
     seq = min(seq_len, cfg.Model.max_position_embeddings) + 1  # +1: next-token pairs of seq_len positions
-    tokens = calibration_tokens(tokenizer, calib, max(samples * seq, head_rows.COUNT_TOKENS))
-    batches = calibration_batches(calibration_ids(tokenizer, calib, samples, seq, tokens=tokens))
-    counts = head_rows.token_counts(tokens, model.wte.num_embeddings)  # the head rows' ranking
+    windows, counts = sensitivity_inputs(tokenizer, calib, samples, seq, model.wte.num_embeddings)
+    batches = calibration_batches(windows)
     calibration = f"{samples} x {seq - 1} tokens of {calib or 'the built-in corpus'}"
     fp = {"float_ckpt": checkpoint_digest(ckpt), "calibration": calibration,
           "calib_digest": _batches_digest(batches), "weights": spec_fingerprint(spec, method, damp, act_order)}

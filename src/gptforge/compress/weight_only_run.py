@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gptforge.compress.gptq import damp_for
+from gptforge.compress.head_rows import COUNT_TOKENS, token_counts
 from gptforge.errors import DataError
 from gptforge.transforms.weight_only import WeightOnlySpec, quantize_rtn_model
 
@@ -64,6 +65,15 @@ def calibration_ids(tokenizer, text_file: str | os.PathLike | None, samples: int
                         "lower --samples / --seq-len or give a longer text")
     t = torch.tensor(ids[: samples * seq_len], dtype=torch.long).reshape(samples, 1, seq_len)
     return list(t)
+
+
+def sensitivity_inputs(tokenizer, text_file: str | os.PathLike | None, samples: int, seq_len: int,
+                       vocab: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What a weight-only sensitivity analysis reads: the calibration windows (`calibration_ids`)
+    and the same text's token counts over its first COUNT_TOKENS tokens, which rank the head's
+    rows (`head_rows.token_counts`; tokenized once for both)."""
+    tokens = calibration_tokens(tokenizer, text_file, max(samples * seq_len, COUNT_TOKENS))
+    return calibration_ids(tokenizer, text_file, samples, seq_len, tokens=tokens), token_counts(tokens, vocab)
 
 
 def _bytes(model: torch.nn.Module) -> int:
@@ -241,10 +251,12 @@ def _plan(model, cfg, tokenizer, path, spec: WeightOnlySpec, budget: Budget, **c
     else:
         method = spec.method if spec.method == "gptq" else "rtn"  # AWQ's layers are measured rounded to nearest
         seq = min(calib["seq_len"], cfg.Model.max_position_embeddings) + 1
-        batches = calibration_batches(calibration_ids(tokenizer, calib["calib"], calib["samples"], seq))
+        windows, counts = sensitivity_inputs(tokenizer, calib["calib"], calib["samples"], seq,
+                                             model.wte.num_embeddings)
         with torch.no_grad():
-            a = weight_sensitivity(model, spec, batches, metric=budget.metric, method=method, damp=calib["damp"],
-                                   act_order=calib["act_order"], progress=calib["progress"])
+            a = weight_sensitivity(model, spec, calibration_batches(windows), metric=budget.metric, method=method,
+                                   damp=calib["damp"], act_order=calib["act_order"], progress=calib["progress"],
+                                   row_counts=counts)
         increases = {n: (r.sensitivity, r.sensitivity8) for n, r in a.layers.items()}
         state = {"head_rows": a.head_rows}
         source = f"measured by this run ({budget.metric}, {method})"
