@@ -54,7 +54,7 @@ def main() -> None:
     from gptforge.transforms.weight_only import WeightOnlySpec
 
     load0 = os.getloadavg()
-    work, tok, _, ckpt, _, text = setup(args, args.heldout_chars)
+    _, _, _, ckpt, _, text = setup(args, args.heldout_chars)
     model, _, tok, _ = load_float_model(ckpt)
     ref = load_float_model(ckpt)[0]
     model.eval()

@@ -5,8 +5,9 @@ A row's rounding error e_v changes only token v's logit and token v's input embe
 much that costs depends on how often the model predicts or reads v. Rows are ranked by how often
 token v occurs in a large sample of the calibration text (`token_counts`: up to COUNT_TOKENS
 tokens, far more than the calibration windows), ties (rows the sample never shows) by a
-second-order estimate of the KL increase its error causes on the calibration windows: the Hessian of KL(float ‖ model) at the
-float model is the Fisher information, so the estimate is 0.5 · e_vᵀ F_v e_v with F_v the Fisher's
+second-order estimate of the KL increase its error causes on the calibration windows: the
+Hessian of KL(float ‖ model) at the float model is the Fisher information, so the estimate is
+0.5 · e_vᵀ F_v e_v with F_v the Fisher's
 own block of row v (terms between rows dropped). Its head part is exact, 0.5 · Σ p_v (1 - p_v)
 (h · e_v)² over positions; its embedding part is 0.5 · E[(g_v · e_v)²] with g_v the gradient of a
 window's log-likelihood with respect to row v's input embeddings under next tokens *sampled from
