@@ -166,21 +166,25 @@ def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypat
 
 
 def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(built, monkeypatch):
-    """Several rows (a batched prefill, a ragged step) take `fp32_rows` in layers whose check passed:
-    the same logits as the packed kernel (ISA off) wherever that kernel is batch-invariant, and the
-    rows kernel really runs."""
+    """Several rows (a batched prefill, a ragged step) take `fp32_rows` in layers whose check passed,
+    the tied head included: the same logits as the packed kernel (ISA off) wherever that kernel is
+    batch-invariant, and the rows kernel really runs."""
     torch.manual_seed(0)
     model, _ = tiny_model()
-    if not fp32_gemv.available() or _matching(model) == (False, 0):
+    matching = _matching(model)
+    if not fp32_gemv.available() or matching == (False, 0):
         pytest.skip("nothing routed on this CPU")
     calls = []
     real = native_kernels.fp32_rows
-    monkeypatch.setattr(native_kernels, "fp32_rows", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    monkeypatch.setattr(native_kernels, "fp32_rows",
+                        lambda x, wb, b, n, *a, **k: calls.append((x.shape[0], n)) or real(x, wb, b, n, *a, **k))
     ids = torch.randint(0, 1000, (3, 9))
     with TorchBackend(model) as be:
         fast = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))
+        vocab = be.vocab_size
     release_packed(model)
-    assert calls and max(calls) == 27  # 3 prompts x 9 tokens through the blocks
+    assert calls and max(r for r, _ in calls) == 27  # 3 prompts x 9 tokens through the blocks
+    assert ((3, vocab) in calls) == matching[0]  # the last positions' logits through the head's blocks
     monkeypatch.setenv(native_kernels.ISA_ENV, "off")
     with TorchBackend(model) as be:
         slow = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))

@@ -345,10 +345,13 @@ class TorchBackend:
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of final hidden states [R, hidden]."""
-        # The head's several-row products stay on oneDNN: fp32_rows measured 0.89-1.11x there (it
-        # streams 154 MB of weights per call), 1.0-1.9x on the blocks' shapes (results/2026-11-26-fp32-rows.md).
-        if self._head_gemv is not None and h.shape[0] == 1:
-            logits = native_kernels.fp32_gemv(h, self._head_gemv[0], None, self.vocab_size, self._head_gemv[1])
+        # Several rows take fp32_rows too since it prefetches the weights that stream from memory:
+        # 1.12-1.23x oneDNN's packed kernel on the 124M head at 4-64 rows, the same bits
+        # (results/2026-11-27-rows-prefetch.md; before, 0.89-1.11x kept the head on oneDNN).
+        if self._head_gemv is not None:
+            g, path = self._head_gemv
+            logits = (native_kernels.fp32_gemv(h, g, None, self.vocab_size, path) if h.shape[0] == 1
+                      else native_kernels.fp32_rows(h, g, None, self.vocab_size, path))
         elif self._head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(h, self._head, None, "none", [], "")
         else:

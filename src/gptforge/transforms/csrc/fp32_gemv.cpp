@@ -166,7 +166,30 @@ void tile_scalar(const float* w, const float* x, int64_t ldx, int64_t c0, int64_
 // or 64 floats) stay in L1 while every row tile passes over them.
 constexpr int64_t kSub = 128;
 
-void block_rows(const float* w, const float* x, int64_t K, int64_t rows, float* tot, float* acc, int64_t isa) {
+// The weights that follow a sub-chunk in memory (the rest of its block, then the next block) are
+// what the next sub-chunk reads: with `ahead` they are prefetched into L2 a few cache lines before
+// each row tile, so that no sub-chunk starts stalled on memory. Measured on Zen 3 (2 threads,
+// benchmarks/results/2026-11-27-rows-prefetch.md): the 50304 x 768 head 1.2-1.3x faster at 8-64
+// rows, the block Linears 1.0-1.1x at 21-64 rows but 0.8-0.9x at 2-8 (weights that stay in
+// cache gain nothing there and the prefetches cost issue slots); fp32_rows decides. A prefetch
+// is only a hint: it changes no result and never faults past the tensor's end.
+struct Ahead {
+  const char* p;
+  const char* end;
+  int64_t per;  // cache lines per call
+  void operator()() {
+    for (int64_t i = 0; i < per && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+  }
+};
+
+Ahead ahead_of(bool on, const float* w, int64_t s0, int64_t s1, int64_t tiles) {
+  const char* p = reinterpret_cast<const char*>(w + s1 * kBlock);
+  const int64_t lines = on ? (s1 - s0) * kBlock * static_cast<int64_t>(sizeof(float)) / 64 : 0;
+  return {p, p + lines * 64, (lines + tiles - 1) / std::max<int64_t>(1, tiles)};
+}
+
+void block_rows(const float* w, const float* x, int64_t K, int64_t rows, float* tot, float* acc, int64_t isa,
+                bool ahead_on) {
   for (int64_t c0 = 0; c0 < K; c0 += kChunk) {
     const int64_t c1 = std::min(K, c0 + kChunk);
     float* dst = c0 == 0 ? tot : acc;  // the first chunk's sums are the running total itself
@@ -174,16 +197,22 @@ void block_rows(const float* w, const float* x, int64_t K, int64_t rows, float* 
       const int64_t s1 = std::min(c1, s0 + kSub);
       const bool first = s0 == c0;
       if (isa == kAvx512) {
+        Ahead ahead = ahead_of(ahead_on, w, s0, s1, rows / 6 + (rows % 6) / 2 + rows % 2);
         int64_t m = 0;
-        for (; m + 6 <= rows; m += 6) tile_avx512<6>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
-        for (; m + 2 <= rows; m += 2) tile_avx512<2>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
-        for (; m < rows; ++m) tile_avx512<1>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
+        for (; m + 6 <= rows; m += 6)
+          ahead(), tile_avx512<6>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
+        for (; m + 2 <= rows; m += 2)
+          ahead(), tile_avx512<2>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
+        for (; m < rows; ++m) ahead(), tile_avx512<1>(w, x + m * K, K, s0, s1, 0, dst + m * kBlock, kBlock, first);
       } else if (isa == kAvx2) {
+        Ahead ahead = ahead_of(ahead_on, w, s0, s1, 2 * (rows / 3 + (rows % 3) / 2 + rows % 3 % 2));
         for (int j0 = 0; j0 < kBlock; j0 += 32) {
           int64_t m = 0;
-          for (; m + 3 <= rows; m += 3) tile_avx2<3>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
-          for (; m + 2 <= rows; m += 2) tile_avx2<2>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
-          for (; m < rows; ++m) tile_avx2<1>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
+          for (; m + 3 <= rows; m += 3)
+            ahead(), tile_avx2<3>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
+          for (; m + 2 <= rows; m += 2)
+            ahead(), tile_avx2<2>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
+          for (; m < rows; ++m) ahead(), tile_avx2<1>(w, x + m * K, K, s0, s1, j0, dst + m * kBlock, kBlock, first);
         }
       } else {
         tile_scalar(w, x, K, s0, s1, dst, kBlock, first, rows);
@@ -263,10 +292,13 @@ at::Tensor fp32_rows(const at::Tensor& wb, const at::Tensor& x, const c10::optio
   float* o = out.data_ptr<float>();
   // One task: all rows of some blocks (the rows share each block's weights); ~256K multiply-adds.
   const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, K * kBlock * R));
+  // Prefetching pays where the rows keep the cores busy long enough to hide it, or where the
+  // weights cannot stay in any cache (see Ahead).
+  const bool ahead = R >= 16 || NB * K * kBlock * static_cast<int64_t>(sizeof(float)) > (int64_t{64} << 20);
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> tot(static_cast<size_t>(R * kBlock)), acc(K > kChunk ? tot.size() : 0);
     for (int64_t nb = b0; nb < b1; ++nb) {
-      block_rows(w + nb * K * kBlock, xp, K, R, tot.data(), acc.data(), isa);
+      block_rows(w + nb * K * kBlock, xp, K, R, tot.data(), acc.data(), isa, ahead);
       const int64_t n0 = nb * kBlock, n = std::min(kBlock, N - n0);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < n; ++j) o[r * N + n0 + j] = bp ? tot[r * kBlock + j] + bp[n0 + j] : tot[r * kBlock + j];
