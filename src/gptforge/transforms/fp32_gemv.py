@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gptforge.transforms import native_kernels
+from gptforge.transforms import huge_pages, native_kernels
 
 BLOCK = 64
 
@@ -26,9 +26,10 @@ def block_weight(w: torch.Tensor) -> torch.Tensor:
     w = w.detach()
     n, k = w.shape
     full, tail = divmod(n, BLOCK)
-    out = (torch.zeros if tail else torch.empty)(full + bool(tail), k, BLOCK, dtype=torch.float32)
+    out = huge_pages.empty((full + bool(tail), k, BLOCK))  # streamed whole at every decode step
     out[:full].copy_(w[: full * BLOCK].view(full, BLOCK, k).transpose(1, 2))  # one copy, no padded staging
     if tail:
+        out[full].zero_()
         out[full, :, :tail] = w[full * BLOCK:].t()
     return out
 
