@@ -169,8 +169,8 @@ constexpr int64_t kSub = 128;
 // The weights that follow a sub-chunk in memory (the rest of its block, then the next block) are
 // what the next sub-chunk reads: with `ahead` they are prefetched into L2 a few cache lines before
 // each row tile, so that no sub-chunk starts stalled on memory. Measured on Zen 3 (2 threads,
-// benchmarks/results/2026-11-27-rows-prefetch.md): the 50304 x 768 head 1.2-1.3x faster at 8-64
-// rows, the block Linears 1.0-1.1x at 21-64 rows but 0.8-0.9x at 2-8 (weights that stay in
+// benchmarks/results/2026-11-27-rows-prefetch.md): the 50304 x 768 head 1.04-1.28x faster at 8-64
+// rows, the block Linears 1.0-1.2x at 21-64 rows but 0.75-0.95x at 2-8 (weights that stay in
 // cache gain nothing there and the prefetches cost issue slots); fp32_rows decides. A prefetch
 // is only a hint: it changes no result and never faults past the tensor's end.
 struct Ahead {
