@@ -70,3 +70,44 @@ def test_block_weight_on_huge_pages_keeps_the_layout():
     ref = torch.zeros(-(-n // 64) * 64, 48)
     ref[:n] = w
     assert torch.equal(b, ref.view(-1, 64, 48).transpose(1, 2))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists(), reason="no transparent huge pages")
+def test_rehome_moves_a_large_buffer_with_its_values():
+    m = torch.nn.Module()
+    m.register_buffer("weight", torch.randn(1200, 1000).to(torch.bfloat16)[:, :999])  # 2.4 MB, not contiguous
+    m.register_buffer("small", torch.randn(10, 10))
+    before, small = m.weight.clone(), m.small
+    huge_pages.rehome_(m, "weight")
+    huge_pages.rehome_(m, "small")
+    assert m.weight.data_ptr() % huge_pages.HUGE == 0 and "hg" in _vm_flags(m.weight.data_ptr())
+    assert torch.equal(m.weight, before) and m.weight.dtype == torch.bfloat16 and "weight" in m.state_dict()
+    assert m.small is small  # below one huge page: left alone
+    moved = m.weight
+    huge_pages.rehome_(m, "weight")
+    assert m.weight is moved  # already there: no second copy
+    huge_pages.rehome_(m, "missing")  # not a buffer: nothing to do
+
+
+def test_the_backend_rehomes_weight_only_layers_when_it_opens(monkeypatch):
+    """Every weight-only layer (the head included) is offered to `rehome_` when the decode backend
+    opens, and decoding gives the same logits as without."""
+    import copy
+
+    from gf_testutil import tiny_model
+    from gptforge.generate.backend import TorchBackend
+    from gptforge.transforms.weight_only import WeightOnlyLinear, WeightOnlySpec, quantize_rtn_model
+
+    torch.manual_seed(0)
+    model = quantize_rtn_model(copy.deepcopy(tiny_model()[0]), WeightOnlySpec(bits=16, group_size=0, head_bits=16))
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    seen = []
+    real = huge_pages.rehome_
+    monkeypatch.setattr(huge_pages, "rehome_", lambda mod, name: seen.append((mod, name)) or real(mod, name))
+    ids = torch.randint(0, 500, (1, 7))
+    with TorchBackend(model) as be:
+        out = be.step(ids, torch.arange(7)[None], None, be.new_cache(1, 16))
+    assert {id(m) for m, n in seen if n == "weight"} == {id(m) for m in layers} and len(layers) > 4
+    monkeypatch.setattr(huge_pages, "rehome_", lambda mod, name: None)
+    with TorchBackend(model) as be:
+        assert torch.equal(be.step(ids, torch.arange(7)[None], None, be.new_cache(1, 16)), out)

@@ -30,7 +30,8 @@ from gptforge.config.sampling import kv_cache_dtype_name
 from gptforge.errors import ConfigError
 from gptforge.generate import fused_step
 from gptforge.model.kv_cache import KV_DTYPES
-from gptforge.transforms import fp32_gemv, native_kernels
+from gptforge.transforms import fp32_gemv, huge_pages, native_kernels
+from gptforge.transforms.weight_only import WeightOnlyLinear
 
 
 @runtime_checkable
@@ -266,6 +267,10 @@ class TorchBackend:
         self._was_training = self.model.training
         self.model.eval()
         self._open = True
+        if self.device.type == "cpu":
+            for mod in self.model.modules():
+                if isinstance(mod, WeightOnlyLinear):  # its kernels stream the weight itself (the head too)
+                    huge_pages.rehome_(mod, "weight")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,7 +4,8 @@ A batch-1 decode step reads every weight once, from memory: with 4 KiB pages tha
 every 4 KiB of each stream. Linux backs a region with 2 MiB pages when it is advised so
 (`madvise(MADV_HUGEPAGE)`, honoured where /sys/kernel/mm/transparent_hugepage/enabled is `always`
 or `madvise`, the usual defaults) and the advice comes before the pages are first touched. The
-fp32 GEMV's weight blocks are made here: on a 2-core Zen 3 the 124M fp32 decode went from 0.98x
+fp32 GEMV's weight blocks are made here, and the decode backend moves the weight-only layers'
+weights here (`rehome_`) when it opens: on a 2-core Zen 3 the 124M fp32 decode went from 0.98x
 to 1.02x llama.cpp f32 (medians of three alternated runs, each faster than the one before it;
 benchmarks/results/2026-11-27-rows-prefetch.md). Only a hint: where it is not available (another
 OS, a kernel without THP, `GPTFORGE_HUGE_PAGES=off`) the buffer is an ordinary one.
@@ -20,6 +21,7 @@ import os
 import sys
 
 import torch
+from torch import nn
 
 HUGE = 2 << 20  # bytes in one huge page (x86-64, arm64 with 4 KiB base pages)
 MADV_HUGEPAGE = 14
@@ -53,3 +55,15 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
     if madvise(raw.data_ptr() + off, nbytes // HUGE * HUGE, MADV_HUGEPAGE) != 0:
         return torch.empty(shape, dtype=dtype)  # EINVAL on a kernel without THP: nothing to gain
     return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def rehome_(module: nn.Module, name: str) -> None:
+    """Put `module`'s CPU buffer `name` on huge pages (a copy: the same values, shape and dtype) when
+    it spans at least one and is not 2 MiB-aligned already; a buffer elsewhere, or where `empty`
+    cannot advise, stays as it is."""
+    t = module._buffers.get(name)
+    if t is None or t.device.type != "cpu" or t.numel() * t.element_size() < HUGE or t.data_ptr() % HUGE == 0:
+        return
+    h = empty(tuple(t.shape), t.dtype)
+    if h.data_ptr() % HUGE == 0:
+        setattr(module, name, h.copy_(t))
