@@ -5,8 +5,8 @@ every 4 KiB of each stream. Linux backs a region with 2 MiB pages when it is adv
 (`madvise(MADV_HUGEPAGE)`, honoured where /sys/kernel/mm/transparent_hugepage/enabled is `always`
 or `madvise`, the usual defaults) and the advice comes before the pages are first touched. The
 fp32 GEMV's weight blocks are made here, and the decode backend moves the weight-only layers'
-weights here (`rehome_`) when it opens: on a 2-core Zen 3 the 124M fp32 decode went from 0.98x
-to 1.02x llama.cpp f32 (medians of three alternated runs, each faster than the one before it;
+weights here (`rehome_`) when it opens: on a 2-core Zen 3 the 124M decode went from 0.98x to
+1.03x llama.cpp f32 in fp32 and from 0.88x to 0.98x q4_0 in int4 (medians of alternated runs;
 benchmarks/results/2026-11-27-rows-prefetch.md). Only a hint: where it is not available (another
 OS, a kernel without THP, `GPTFORGE_HUGE_PAGES=off`) the buffer is an ordinary one.
 """
