@@ -52,7 +52,16 @@ def test_small_buffers_and_the_switch_leave_plain_tensors(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV, "off")
     huge_pages._madvise.cache_clear()
     big = huge_pages.empty((3, 1000, 1000))
-    assert "hg" not in _vm_flags(big.data_ptr())
+    assert huge_pages._madvise() is None
+    assert big.untyped_storage().nbytes() == big.numel() * 4  # a plain tensor: no aligned view into a larger buffer
+
+
+def test_an_unknown_switch_value_is_a_usage_error(monkeypatch):
+    from gptforge.errors import UsageError
+
+    monkeypatch.setenv(huge_pages.ENV, "maybe")
+    with pytest.raises(UsageError, match="GPTFORGE_HUGE_PAGES='maybe': choose one of auto, on, off"):
+        huge_pages.empty((4, 1 << 20))
 
 
 def test_a_failed_advice_gives_a_plain_buffer(monkeypatch):
@@ -75,7 +84,7 @@ def test_block_weight_on_huge_pages_keeps_the_layout():
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists(), reason="no transparent huge pages")
 def test_rehome_moves_a_large_buffer_with_its_values():
     m = torch.nn.Module()
-    m.register_buffer("weight", torch.randn(1200, 1000).to(torch.bfloat16)[:, :999])  # 2.4 MB, not contiguous
+    m.register_buffer("weight", torch.randn(1200, 1000).to(torch.bfloat16)[:, 1:])  # 2.4 MB, not contiguous or aligned
     m.register_buffer("small", torch.randn(10, 10))
     before, small = m.weight.clone(), m.small
     huge_pages.rehome_(m, "weight")

@@ -17,11 +17,12 @@ import ctypes
 import ctypes.util
 import functools
 import math
-import os
 import sys
 
 import torch
 from torch import nn
+
+from gptforge.transforms.cpu_kernels import requested_choice
 
 HUGE = 2 << 20  # bytes in one huge page (x86-64, arm64 with 4 KiB base pages)
 MADV_HUGEPAGE = 14
@@ -30,7 +31,9 @@ ENV = "GPTFORGE_HUGE_PAGES"
 
 @functools.lru_cache(maxsize=1)
 def _madvise():
-    if not sys.platform.startswith("linux") or os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+    """libc's madvise, or None where huge pages are not asked for here (read once per process;
+    UsageError naming the variable for a value other than auto / on / off)."""
+    if requested_choice(None, ENV, ("auto", "on", "off"), ENV) == "off" or not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
