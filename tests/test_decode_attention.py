@@ -76,6 +76,31 @@ def test_invariant_to_threads_and_company(built, path):
     assert torch.equal(torch.cat(alone), outs[0])
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_strided_heads_read_in_place(built, path, dtype):
+    """q, k, v as the model hands them over (one qkv projection per row, each head's [q | k | v]
+    side by side; rows picked from a longer step): the same slots and the same bits as contiguous
+    copies, and the kernel reads the views, not copies of them."""
+    skip_unless_runs(path, built)
+    starts, heads, dim = [4, 19, 0, 8], 3, 64
+    qkv = torch.randn(2 * len(starts), heads, 3 * dim)[::2]  # [R, heads, 3 * dim], rows strided too
+    views = [qkv.narrow(2, i * dim, dim) for i in range(3)]
+    assert not views[0].is_contiguous()
+    ours, ref_slots = _slots(starts, heads, dim, dtype), _slots(starts, heads, dim, dtype)
+    y = native_kernels.decode_attention(*views, ours, 0, starts, path=path)
+    ref = native_kernels.decode_attention(*(x.contiguous() for x in views), ref_slots, 0, starts, path=path)
+    assert torch.equal(y, ref) and y.is_contiguous()
+    for a, b, n in zip(ours, ref_slots, starts, strict=True):
+        for x, z in ((a.k, b.k), (a.v, b.v), (a.k_scale, b.k_scale), (a.v_scale, b.v_scale)):
+            if x is not None:
+                assert torch.equal(x[0][:, :, :n + 1], z[0][:, :, :n + 1])
+    fresh = _slots(starts, heads, dim, dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        native_kernels.decode_attention(*views, fresh, 0, starts, path=path)
+    assert not {e.key for e in prof.key_averages()} & {"aten::clone", "aten::contiguous", "aten::copy_"}
+
+
 def test_int8_read_matches_dequantized_slot(built):
     """int8 slots: the kernel attends over exactly the values `dequantize_int8` gives."""
     starts, heads, dim = [6, 11], 2, 64

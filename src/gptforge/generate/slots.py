@@ -109,6 +109,7 @@ class RaggedBatch:
         self.native = [i for i, s in enumerate(self.segments) if native and len(s.token_ids) == 1
                        and once[id(s.slot)] == 1 and s.slot.dtype in _NATIVE_KV]
         self.native_rows = torch.tensor([self.offsets[i] for i in self.native], dtype=torch.long, device=device)
+        self.decode_only = len(self.native) == len(self.segments) == len(ids)
 
     def attend(self, layer: int, q, k, v, core) -> torch.Tensor:
         """Store each sequence's new keys/values in its slot and attend over that slot only (a
@@ -117,7 +118,10 @@ class RaggedBatch:
             outs = [self._attend_one(layer, i, q, k, v, core) for i in range(len(self.segments))]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         rows = self.native_rows
-        picked = [x[0].index_select(1, rows).transpose(0, 1) for x in (q, k, v)]  # [R, heads, head_dim]
+        if self.decode_only:  # every row a decode token, in order: the heads are read in place
+            picked = [x[0].transpose(0, 1) for x in (q, k, v)]  # [R, heads, head_dim], strided
+        else:
+            picked = [x[0].index_select(1, rows).transpose(0, 1) for x in (q, k, v)]
         slots = [self.segments[i].slot for i in self.native]
         y = native_kernels.decode_attention(*picked, slots, layer, [self.segments[i].start for i in self.native])
         if len(self.native) == len(self.segments):

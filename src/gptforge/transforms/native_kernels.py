@@ -208,17 +208,18 @@ def quantize_q8a(x: torch.Tensor, path: str | None = None,
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, layer: int, starts: list[int],
                      path: str | None = None) -> torch.Tensor:
-    """One new token per sequence: store row r's key/value ([R, heads, head_dim] fp32) in
-    `slots[r]` (a float32 or int8 `KVCache` of batch 1; its `layer`) at position `starts[r]`, then attend over
-    its positions 0..starts[r] (scale 1/sqrt(head_dim)): [R, heads, head_dim]. The caller has
+    """One new token per sequence: store row r's key/value ([R, heads, head_dim] fp32; rows and
+    heads may be strided views, read in place) in `slots[r]` (a float32 or int8 `KVCache` of batch
+    1; its `layer`) at position `starts[r]`, then attend over its positions 0..starts[r] (scale
+    1/sqrt(head_dim)): [R, heads, head_dim], contiguous. The caller has
     checked `unavailable()`; `path` as in `weight_only_linear` (AVX-512 CPUs take the AVX2 path)."""
     keys = [s.k[layer] for s in slots]
     values = [s.v[layer] for s in slots]
     int8 = slots[0].k_scale is not None
     ks = [s.k_scale[layer] for s in slots] if int8 else []
     vs = [s.v_scale[layer] for s in slots] if int8 else []
-    return getattr(torch.ops, _LIB).decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), keys, values,
-                                                     ks, vs, starts, q.shape[-1] ** -0.5,
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return getattr(torch.ops, _LIB).decode_attention(q, k, v, keys, values, ks, vs, starts, q.shape[-1] ** -0.5,
                                                      ISA_CODES[path or isa()])
 
 

@@ -250,9 +250,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                             const std::vector<at::Tensor>& k_scales, const std::vector<at::Tensor>& v_scales,
                             c10::IntArrayRef starts, double scale, int64_t isa) {
+  // q, k, v may be strided views (the step's qkv projection split per head, in place): only each
+  // head's head_dim values must be adjacent.
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == q.sizes(),
-                "q, k, v: contiguous float32 [rows, heads, head_dim]");
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->sizes() == q.sizes() &&
+                    (t->size(2) <= 1 || t->stride(2) == 1),
+                "q, k, v: float32 [rows, heads, head_dim] with head_dim contiguous");
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == R && static_cast<int64_t>(values.size()) == R &&
                   static_cast<int64_t>(starts.size()) == R, "one slot and start per row");
@@ -267,6 +270,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t qs[2] = {q.stride(0), q.stride(1)}, ks[2] = {k.stride(0), k.stride(1)},
+                vs[2] = {v.stride(0), v.stride(1)};
   int64_t positions = 0;
   for (const Slot& s : slots) positions += s.start + 1;
   // ~32K multiply-adds per task: a batch-1 step stays on one thread.
@@ -275,8 +280,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / H, h = i % H;
-      one_head(ops, slots[r], h, D, qp + i * D, kp + i * D, vp + i * D, static_cast<float>(scale), op + i * D,
-               scores);
+      one_head(ops, slots[r], h, D, qp + r * qs[0] + h * qs[1], kp + r * ks[0] + h * ks[1], vp + r * vs[0] + h * vs[1],
+               static_cast<float>(scale), op + i * D, scores);
     }
   });
   return out;

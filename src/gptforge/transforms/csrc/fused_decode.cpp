@@ -156,12 +156,12 @@ at::Tensor attention_half(const DecodePlan& p, size_t i, const at::Tensor& x, co
   const Layer& L = p.layers[i];
   const int64_t H = L.heads, D = L.head_dim;
   at::Tensor qkv = run_linear(p.linears[4 * i], norm(L.ln1, x));
-  // Each head's [q | k | v] (the per-head interleaved layout) copied out, as RaggedBatch.attend
-  // does, in one copy: [3, H, D], then q, k, v as contiguous [1, H, D] views.
-  const std::vector<at::Tensor> qkv3 = qkv.view({H, 3, D}).transpose(0, 1).contiguous().split(1, 0);
+  // Each head's [q | k | v] (the per-head interleaved layout) read in place: q, k, v as strided
+  // [1, H, D] views, as RaggedBatch.attend passes them.
+  const at::Tensor heads = qkv.view({1, H, 3 * D});
   const bool int8 = !s.k_scales.empty();
   at::Tensor y = gptforge_wo::decode_attention(
-      qkv3[0], qkv3[1], qkv3[2], {s.keys[i]}, {s.values[i]},
+      heads.narrow(2, 0, D), heads.narrow(2, D, D), heads.narrow(2, 2 * D, D), {s.keys[i]}, {s.values[i]},
       int8 ? std::vector<at::Tensor>{s.k_scales[i]} : std::vector<at::Tensor>{},
       int8 ? std::vector<at::Tensor>{s.v_scales[i]} : std::vector<at::Tensor>{}, {start}, L.scale, isa);
   return at::add(x, run_linear(p.linears[4 * i + 1], y.view({1, 1, H * D})));
