@@ -142,6 +142,9 @@ def _layer(blk: nn.Module) -> tuple | None:
         return None
     if not (_plain_norm(blk.norm1) and _plain_norm(blk.norm2)):
         return None
+    act = getattr(blk, "act", None)  # the fused step runs csrc/gelu.cpp: only where the Python step does too
+    if type(act) is not nn.GELU or act.__dict__.get("forward") is not native_kernels.gelu_forward:
+        return None
     d = attn.head_dim
     qkv = attn.qkv_proj.out_features
     if qkv % (3 * d) or attn.out_proj.in_features != qkv // 3:

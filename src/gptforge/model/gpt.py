@@ -82,6 +82,7 @@ class Block(nn.Module):
         self.moe = MoEFFN(h, ffn, experts, cfg) if experts else None
         if self.moe is None:
             self.linear1 = nn.Linear(h, ffn)
+            self.act = nn.GELU(approximate="tanh")  # a module: a decode backend may run its own kernel
             self.linear2 = nn.Linear(ffn, h)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -91,7 +92,7 @@ class Block(nn.Module):
         if self.moe is not None:
             return x + self.dropout(self.moe(h))
         # No dropout between GELU and linear2 (spec §1.1).
-        return x + self.dropout(self.linear2(F.gelu(self.linear1(h), approximate="tanh")))
+        return x + self.dropout(self.linear2(self.act(self.linear1(h))))
 
 
 # A block's Linear layers by their path inside the block, in the reference's counting order

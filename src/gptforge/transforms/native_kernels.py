@@ -34,7 +34,7 @@ ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
 SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp",
-           "int8_rows.cpp", "row_argmax.cpp")
+           "int8_rows.cpp", "row_argmax.cpp", "gelu.cpp")
 # -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
 # compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
 OPENMP_FLAGS = ("-fopenmp",) if torch._C.has_openmp else ()
@@ -221,6 +221,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots, l
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return getattr(torch.ops, _LIB).decode_attention(q, k, v, keys, values, ks, vs, starts, q.shape[-1] ** -0.5,
                                                      ISA_CODES[path or isa()])
+
+
+def gelu_tanh(x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """GELU with the tanh approximation of fp32 `x` (csrc/gelu.cpp: within a few ulps of
+    the exact function, the same bits on every path and wherever an element sits). The caller has
+    checked `unavailable()`; `path` as in `weight_only_linear`."""
+    return getattr(torch.ops, _LIB).gelu_tanh(x, ISA_CODES[path or isa()])
+
+
+def gelu_forward(x: torch.Tensor) -> torch.Tensor:
+    """An `nn.GELU(approximate="tanh")`'s forward on `gelu_tanh` (what a decode backend routes the
+    model's GELUs through while it is open): fp32 CPU input outside autograd; anything else
+    through torch's own."""
+    if x.dtype is torch.float32 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+        return gelu_tanh(x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def fp32_gemv(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: int, path: str | None = None) -> torch.Tensor:

@@ -20,7 +20,6 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/Exception.h>
@@ -168,9 +167,9 @@ at::Tensor attention_half(const DecodePlan& p, size_t i, const at::Tensor& x, co
 }
 
 // x + linear2(gelu(linear1(LN2 x))): Block.forward's second half.
-at::Tensor mlp_half(const DecodePlan& p, size_t i, const at::Tensor& x) {
+at::Tensor mlp_half(const DecodePlan& p, size_t i, const at::Tensor& x, int64_t isa) {
   at::Tensor f = run_linear(p.linears[4 * i + 2], norm(p.layers[i].ln2, x));
-  return at::add(x, run_linear(p.linears[4 * i + 3], at::gelu(f, "tanh")));
+  return at::add(x, run_linear(p.linears[4 * i + 3], gptforge_wo::gelu_tanh(f, isa)));
 }
 
 // The final-LayerNorm hidden state [1, 1, hidden] of one token whose embedding is x0 [1, 1, hidden]
@@ -189,7 +188,7 @@ at::Tensor fused_decode(const c10::intrusive_ptr<DecodePlan>& plan, const at::Te
               "int8 storage: one key and one value scale buffer per layer");
   const SlotLists slot{keys, values, k_scales, v_scales};
   at::Tensor x = x0;
-  for (size_t i = 0; i < L; ++i) x = mlp_half(p, i, attention_half(p, i, x, slot, start, isa));
+  for (size_t i = 0; i < L; ++i) x = mlp_half(p, i, attention_half(p, i, x, slot, start, isa), isa);
   return norm(p.final_norm, x);
 }
 

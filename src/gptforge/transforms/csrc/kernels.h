@@ -36,4 +36,7 @@ at::Tensor fp32_gemv(const at::Tensor& wb, const at::Tensor& x, const c10::optio
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& w_scale,
                      const c10::optional<at::Tensor>& bias, double step, int64_t N, int64_t qmax, int64_t isa);
 
+// gptforge_wo::gelu_tanh (gelu.cpp): GELU's tanh approximation, the same bits on every path.
+at::Tensor gelu_tanh(const at::Tensor& x, int64_t isa);
+
 }  // namespace gptforge_wo
