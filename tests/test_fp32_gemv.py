@@ -159,7 +159,7 @@ def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypat
     assert routed == _matching(model)  # every layer whose check passes, and only those
     if routed == (False, 0):
         pytest.skip("oneDNN's packed kernel sums in another order on this CPU: nothing to route")
-    monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    monkeypatch.setattr(fp32_gemv, "available", lambda: False)  # the GEMV off; the GELU kernel stays (both runs)
     slow, (head, linears) = _decode(model)
     assert not head and linears == 0
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
@@ -167,7 +167,7 @@ def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypat
 
 def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(built, monkeypatch):
     """Several rows (a batched prefill, a ragged step) take `fp32_rows` in layers whose check passed,
-    the tied head included: the same logits as the packed kernel (ISA off) wherever that kernel is
+    the tied head included: the same logits as the packed kernel (the GEMV off) wherever that kernel is
     batch-invariant, and the rows kernel really runs."""
     torch.manual_seed(0)
     model, _ = tiny_model()
@@ -185,7 +185,7 @@ def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(bu
     release_packed(model)
     assert calls and max(r for r, _ in calls) == 27  # 3 prompts x 9 tokens through the blocks
     assert ((3, vocab) in calls) == matching[0]  # the last positions' logits through the head's blocks
-    monkeypatch.setenv(native_kernels.ISA_ENV, "off")
+    monkeypatch.setattr(fp32_gemv, "available", lambda: False)  # the packed kernel; the same GELU kernel
     with TorchBackend(model) as be:
         slow = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))
     release_packed(model)
