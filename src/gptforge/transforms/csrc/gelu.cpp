@@ -2,8 +2,9 @@
 // 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same
 // function: 0.5 (1 + tanh(u)) = sigmoid(2u)), one exponential and one division per element.
 //
-// ATen's tanh-GELU spends ~4 ns per element and thread here (a vectorized tanh accurate to 1 ulp):
-// about 2-4% of a 64-row decode step and 2% of a batch-1 one. This one is within a few float32
+// ATen's tanh-GELU spends ~4 ns per element and thread here (a vectorized tanh accurate to 1 ulp),
+// 2-4% of a 64-row decode step; this one 4.3x less at 64 rows
+// (benchmarks/results/2026-11-27-gelu-attention-copies.md). It is within a few float32
 // ulps of the exact function (the exponential: 2^n times a degree-7 Taylor polynomial of e^r on
 // |r| <= ln2/2, truncation error < 1e-8 relative) and gives the same bits on every path: the
 // vector lanes and the scalar code run the same operations (fused multiply-adds where one is
