@@ -14,6 +14,7 @@ from gf_testutil import ISA_ORDER, skip_unless_runs, within_fp32_rounding
 from gptforge.transforms import native_kernels
 from gptforge.transforms.weight_only import (
     KERNEL_ENV,
+    NATIVE_CHUNKED_ROWS,
     NATIVE_MAX_ROWS,
     WeightOnlyEmbedding,
     WeightOnlyLinear,
@@ -99,8 +100,11 @@ def test_layers_take_native_for_decode_batches_on_any_cpu(built, monkeypatch):
     lin = WeightOnlyLinear.from_float(torch.randn(24, 64), torch.randn(24), 16, 0, True)
     assert lin.kernel_for(torch.randn(1, 64)) == "native"
     assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS, 64)) == "native"
-    longer = "bf16" if native_bf16() else "fp32"  # oneDNN's bf16 where native, else fp32
-    assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS + 1, 64)) == longer
+    # oneDNN's bf16 beyond NATIVE_MAX_ROWS where native; elsewhere the kernel in chunks, then fp32
+    longer = "bf16" if native_bf16() else "fp32"
+    chunked = NATIVE_MAX_ROWS if native_bf16() else NATIVE_CHUNKED_ROWS[16]
+    assert lin.kernel_for(torch.randn(chunked, 64)) == "native"
+    assert lin.kernel_for(torch.randn(chunked + 1, 64)) == longer
     monkeypatch.setenv(KERNEL_ENV, "native-q8a")  # no int8 activations for bf16 weights: the exact kernel
     assert lin.kernel_for(torch.randn(1, 64)) == "native"
     monkeypatch.setenv(KERNEL_ENV, "fp32")

@@ -21,7 +21,13 @@ from gf_testutil import ISA_ORDER, skip_unless_runs
 from gf_testutil import within_fp32_rounding as _tolerance_check
 from gptforge.errors import UsageError
 from gptforge.transforms import lowbit, native_kernels
-from gptforge.transforms.weight_only import KERNEL_ENV, NATIVE_MAX_ROWS, WeightOnlyEmbedding, WeightOnlyLinear
+from gptforge.transforms.weight_only import (
+    KERNEL_ENV,
+    NATIVE_CHUNKED_ROWS,
+    NATIVE_MAX_ROWS,
+    WeightOnlyEmbedding,
+    WeightOnlyLinear,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,11 +129,33 @@ def test_layers_take_the_forced_path(monkeypatch, built, path, bits, group, sym)
     _tolerance_check(emb.project(h), h, emb.dequantized_weight(), None)
 
 
-def test_auto_takes_native_for_short_batches_only(built):
-    lin = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
-    assert lin.kernel_for(torch.randn(1, 64)) == "native"
-    assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS, 64)) == "native"
-    assert lin.kernel_for(torch.randn(NATIVE_MAX_ROWS + 1, 64)) != "native"
+@pytest.mark.parametrize("bits", [4, 8])
+def test_auto_takes_native_for_short_batches_only(built, bits):
+    lin = WeightOnlyLinear.from_float(torch.randn(32, 64), None, bits, 32, True)
+    limit = NATIVE_CHUNKED_ROWS[bits]
+    assert limit > NATIVE_MAX_ROWS
+    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, limit):
+        assert lin.kernel_for(torch.randn(rows, 64)) == "native", rows
+    assert lin.kernel_for(torch.randn(limit + 1, 64)) != "native"
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-q8a"])
+def test_longer_batches_run_the_native_kernel_in_chunks(built, monkeypatch, kernel):
+    """Beyond NATIVE_MAX_ROWS the kernel runs on chunks of that many rows: each row's result is the
+    one the kernel gives its chunk alone, within fp32 rounding of the dequantized product, and
+    no weight is dequantized on the way."""
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    lin = WeightOnlyLinear.from_float(torch.randn(40, 128), torch.randn(40), 4, 32, True)
+    x = torch.randn(2 * NATIVE_MAX_ROWS + 3, 128)
+    monkeypatch.setattr(lowbit, "dequantize", lambda *a, **k: pytest.fail("dequantized"))
+    y = lin(x)
+    q8 = kernel == "native-q8a"
+    ops = (lin.weight, *lin.native_operands(), lin.bias, 4)
+    chunks = [native_kernels.weight_only_linear(c, *ops, q8_activations=q8) for c in x.split(NATIVE_MAX_ROWS)]
+    assert torch.equal(y, torch.cat(chunks))
+    if not q8:
+        monkeypatch.undo()
+        _tolerance_check(y, x, lin._stored(torch.float32), lin.bias)
 
 
 def test_off_and_missing_paths_are_one_line_errors(monkeypatch, built):

@@ -5,7 +5,8 @@ float activations. A quantized model directory records its format in `weight_onl
 Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEIGHT_KERNEL`:
 
 - `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use)
-  for int8 / int4 / bf16 layers and batches of up to `NATIVE_MAX_ROWS` rows (decode): the stored
+  for int8 / int4 / bf16 layers, `NATIVE_MAX_ROWS` rows a call, batches of up to
+  `NATIVE_CHUNKED_ROWS` rows (decode, served steps, short prefills): the stored
   bytes read directly (bf16 widened to fp32 exactly, so on any CPU, no bf16 arithmetic), fp32
   accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
 - `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per
@@ -22,8 +23,8 @@ Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEI
 - `fp32`: dequantize to fp32 and `F.linear` (every CPU). Nothing dequantized is cached.
 `auto` (default): `native` where built and the call fits it, else `bf16` where native, else
 `fp32` (`packed` only when forced: it is slower than `fp32` at every batch measured). bf16 weights
-(`bits=16`) take `native` too; longer batches use `bf16` where native, else `fp32` (a bf16 -> fp32
-copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
+(`bits=16`) take `native` too; longer batches use `bf16` where native (beyond `NATIVE_MAX_ROWS`
+there), else `fp32` (a bf16 -> fp32 copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
 does not cover (longer batches) and is a UsageError where the kernels cannot be built.
 Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at batch
 1 in torch 2.13; `native` is the batch-1 path. A plan's head may keep rows at 8 bits (`weight_only_rows`)."""
@@ -49,7 +50,12 @@ from gptforge.transforms.weight_only_rows import MixedRowsEmbedding, row_slots
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
 KERNELS = ("auto", "native", "native-q8a", "packed", "bf16", "fp32")
-NATIVE_MAX_ROWS = 8  # batch rows up to which `auto` takes `native` (measured: benchmarks/results/2026-11-25-lowbit-kernels.md)
+NATIVE_MAX_ROWS = 8  # batch rows the native kernels take in one call (measured: benchmarks/results/2026-11-25-lowbit-kernels.md)
+# Batch rows up to which `auto` takes `native` anyway, in calls of NATIVE_MAX_ROWS rows: dequantizing
+# costs ~9 ns a weight on every call (a 3072 x 768 int4 layer: 25 ms at 16 rows, where 8-row calls
+# take 1.8 ms; crossover near 300 rows), bf16 only its copy to fp32 (crossover near 64 rows; on CPUs
+# with native bf16, oneDNN's bf16 product beyond 8 rows): benchmarks/results/2026-11-27-gelu-attention-copies.md.
+NATIVE_CHUNKED_ROWS = {4: 256, 8: 256, 16: 32}
 INT4_PACK_GROUPS = (32, 64, 128, 256)
 
 
@@ -237,8 +243,9 @@ class WeightOnlyLinear(nn.Module):
         Remembered per layer for what decides it (the forcing variables, batch rows up to the
         native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
         env = os.environ
-        key = (self.kernel, env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV), min(x.shape[0], NATIVE_MAX_ROWS + 1),
-               x.dtype, x.is_cpu)
+        rows = x.shape[0]
+        key = (self.kernel, env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV),
+               rows <= NATIVE_MAX_ROWS, rows <= NATIVE_CHUNKED_ROWS.get(self.bits, 0), x.dtype, x.is_cpu)
         got = self._kernel_choice.get(key)
         if got is None:
             got = self._kernel_choice[key] = self._choose_kernel(x)
@@ -268,7 +275,8 @@ class WeightOnlyLinear(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         g = self.group_size or self.in_features
-        return x.shape[0] <= NATIVE_MAX_ROWS and (self.bits != 4 or g % 2 == 0)
+        rows = NATIVE_MAX_ROWS if self.bits == 16 and native_bf16() else NATIVE_CHUNKED_ROWS.get(self.bits, 0)
+        return x.shape[0] <= max(rows, NATIVE_MAX_ROWS) and (self.bits != 4 or g % 2 == 0)
 
     def native_operands(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(scale, zero) as the native kernels take them: None for what the format has not (bf16:
@@ -301,10 +309,11 @@ class WeightOnlyLinear(nn.Module):
         if self._awq:
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
-        if kern.startswith("native"):  # fp32 in and out (`_native_fits`)
-            y = native_kernels.weight_only_linear(x2, self.weight, *self.native_operands(), bias, self.bits,
-                                                  q8_activations=kern == "native-q8a")
-            return y.view(*shape[:-1], self.out_features)
+        if kern.startswith("native"):  # fp32 in and out (`_native_fits`), NATIVE_MAX_ROWS rows a call
+            ops = (self.weight, *self.native_operands(), bias, self.bits)
+            ys = [native_kernels.weight_only_linear(c, *ops, q8_activations=kern == "native-q8a")
+                  for c in x2.split(NATIVE_MAX_ROWS)]
+            return (ys[0] if len(ys) == 1 else torch.cat(ys)).view(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
         elif kern == "packed":
