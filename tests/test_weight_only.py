@@ -14,6 +14,7 @@ from gptforge.compress.gptq import gptq_quantize
 from gptforge.transforms import lowbit, native_kernels
 from gptforge.transforms.weight_only import (
     KERNEL_ENV,
+    NATIVE_CHUNKED_ROWS,
     WeightOnlyLinear,
     WeightOnlySpec,
     native_bf16,
@@ -90,8 +91,8 @@ def test_auto_kernel_follows_the_probes():
     m = WeightOnlyLinear.from_float(torch.randn(32, 64), None, 4, 32, True)
     want = "native" if not native_kernels.unavailable() else "bf16" if native_bf16() else "fp32"
     assert m.kernel_for(torch.randn(2, 64)) == want
-    # past the native kernels' rows: the dequantized path, never PyTorch's (slower) packed kernels
-    assert m.kernel_for(torch.randn(64, 64)) == ("bf16" if native_bf16() else "fp32")
+    # past the native kernels' rows (in chunks): the dequantized path, never PyTorch's (slower) packed kernels
+    assert m.kernel_for(torch.randn(NATIVE_CHUNKED_ROWS[4] + 1, 64)) == ("bf16" if native_bf16() else "fp32")
 
 
 def test_bad_kernel_env_is_a_usage_error(monkeypatch):

@@ -4,30 +4,26 @@ float activations. A quantized model directory records its format in `weight_onl
 
 Kernels (one choice per layer and call, `kernel_for`), forced with `GPTFORGE_WEIGHT_KERNEL`:
 
-- `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use)
-  for int8 / int4 / bf16 layers, `NATIVE_MAX_ROWS` rows a call, batches of up to
-  `NATIVE_CHUNKED_ROWS` rows (decode, served steps, short prefills): the stored
-  bytes read directly (bf16 widened to fp32 exactly, so on any CPU, no bf16 arithmetic), fp32
-  accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
-- `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per
-  block of 32 columns and exact integer dot products (llama.cpp's q8 activations), for int8 /
-  int4 groups of a multiple of 32 columns: faster, not the float product (`native` for other
-  layers, bf16 ones included).
-- `packed`: PyTorch's packed CPU kernels, `aten._weight_int8pack_mm` (int8, symmetric, one
-  scale per row) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32..256, rows a
-  multiple of 16), where a one-time probe finds them exact on this CPU against integer
-  arithmetic. int4 keeps one copy of its nibbles in the kernel's own layout (as many bytes as
-  the stored ones; built at the first call).
+- `native`: gptforge's own C++ kernels (`transforms/native_kernels.py`, built once on first use) for
+  int8 / int4 / bf16 layers, `NATIVE_MAX_ROWS` rows a call, up to `NATIVE_CHUNKED_ROWS` rows (decode,
+  served steps, short prefills): the stored bytes read directly (bf16 widened to fp32 exactly, so on
+  any CPU, no bf16 arithmetic), fp32 accumulation, AVX-512 / AVX2 / portable paths chosen from cpuid.
+- `native-q8a` (opt-in, never `auto`): the same kernels with the activations rounded to int8 per 32
+  columns, exact integer dot products (llama.cpp's q8 activations) for int8 / int4 groups of 32k
+  columns: faster, not the float product (`native` for other layers, bf16 ones included).
+- `packed`: PyTorch's `aten._weight_int8pack_mm` (int8, symmetric, per row) / `_weight_int4pack_mm_for_cpu`
+  (int4, groups 32..256, rows a multiple of 16) where a one-time probe finds them exact on this CPU;
+  int4 keeps a copy of its nibbles in the kernel's layout (built at the first call).
 - `bf16`: dequantize to bf16 and `F.linear` in bf16, the default fallback where the CPU has
   native bf16 (oneDNN's check: AVX-512-bf16 or AMX).
 - `fp32`: dequantize to fp32 and `F.linear` (every CPU). Nothing dequantized is cached.
 `auto` (default): `native` where built and the call fits it, else `bf16` where native, else
 `fp32` (`packed` only when forced: it is slower than `fp32` at every batch measured). bf16 weights
-(`bits=16`) take `native` too; longer batches use `bf16` where native (beyond `NATIVE_MAX_ROWS`
-there), else `fp32` (a bf16 -> fp32 copy per call: bf16's bytes, fp32's speed). A forced `native` takes the `auto` path for calls it
-does not cover (longer batches) and is a UsageError where the kernels cannot be built.
-Measured on AVX-512 (issue #32): the packed kernels are 3-6x slower than fp32 `F.linear` at batch
-1 in torch 2.13; `native` is the batch-1 path. A plan's head may keep rows at 8 bits (`weight_only_rows`)."""
+(`bits=16`) take `native` too; longer batches `bf16` where native (past 8 rows there), else `fp32` (a
+bf16 -> fp32 copy per call). A forced `native` takes the `auto` path for calls it does not cover
+(longer batches) and is a UsageError where the kernels cannot be built.
+The packed kernels: 3-6x slower than fp32 `F.linear` at batch 1 (AVX-512, torch 2.13; issue #32).
+A plan's head may keep rows at 8 bits (`weight_only_rows`)."""
 
 from __future__ import annotations
 
@@ -50,11 +46,9 @@ from gptforge.transforms.weight_only_rows import MixedRowsEmbedding, row_slots
 SPEC_FILE = "weight_only.json"
 KERNEL_ENV = "GPTFORGE_WEIGHT_KERNEL"
 KERNELS = ("auto", "native", "native-q8a", "packed", "bf16", "fp32")
-NATIVE_MAX_ROWS = 8  # batch rows the native kernels take in one call (measured: benchmarks/results/2026-11-25-lowbit-kernels.md)
-# Batch rows up to which `auto` takes `native` anyway, in calls of NATIVE_MAX_ROWS rows: dequantizing
-# costs ~9 ns a weight on every call (a 3072 x 768 int4 layer: 25 ms at 16 rows, where 8-row calls
-# take 1.8 ms; crossover near 300 rows), bf16 only its copy to fp32 (crossover near 64 rows; on CPUs
-# with native bf16, oneDNN's bf16 product beyond 8 rows): benchmarks/results/2026-11-27-gelu-attention-copies.md.
+NATIVE_MAX_ROWS = 8  # batch rows the native kernels take in one call (results/2026-11-25-lowbit-kernels.md)
+# Rows up to which `auto` takes `native` in 8-row calls, by bits: dequantizing costs ~9 ns a weight per
+# call (bf16: a copy; results/2026-11-27-gelu-attention-copies.md). Native bf16 CPUs: oneDNN past 8.
 NATIVE_CHUNKED_ROWS = {4: 256, 8: 256, 16: 32}
 INT4_PACK_GROUPS = (32, 64, 128, 256)
 
@@ -239,9 +233,8 @@ class WeightOnlyLinear(nn.Module):
         return (w / self.act_scale if hasattr(self, "act_scale") else w).to(dtype)
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (see the module docstring).
-        Remembered per layer for what decides it (the forcing variables, batch rows up to the
-        native limit, dtype, device): the choice costs ~10 us, a decode step makes ~50."""
+        """`native`, `native-q8a`, `packed`, `bf16` or `fp32`: this call's path (module docstring), kept
+        per layer for what decides it (forcing variables, row limits, dtype, device): ~10 us a choice."""
         env = os.environ
         rows = x.shape[0]
         key = (self.kernel, env.get(KERNEL_ENV), env.get(native_kernels.ISA_ENV),
@@ -274,9 +267,8 @@ class WeightOnlyLinear(nn.Module):
     def _native_fits(self, x: torch.Tensor) -> bool:
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
-        g = self.group_size or self.in_features
-        rows = NATIVE_MAX_ROWS if self.bits == 16 and native_bf16() else NATIVE_CHUNKED_ROWS.get(self.bits, 0)
-        return x.shape[0] <= max(rows, NATIVE_MAX_ROWS) and (self.bits != 4 or g % 2 == 0)
+        rows = NATIVE_MAX_ROWS if self.bits == 16 and native_bf16() else NATIVE_CHUNKED_ROWS.get(self.bits, 8)
+        return x.shape[0] <= rows and (self.bits != 4 or (self.group_size or self.in_features) % 2 == 0)
 
     def native_operands(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(scale, zero) as the native kernels take them: None for what the format has not (bf16:
@@ -310,9 +302,8 @@ class WeightOnlyLinear(nn.Module):
             x2 = x2 / self.act_scale.to(x2.dtype)
         kern = self.kernel_for(x2)
         if kern.startswith("native"):  # fp32 in and out (`_native_fits`), NATIVE_MAX_ROWS rows a call
-            ops = (self.weight, *self.native_operands(), bias, self.bits)
-            ys = [native_kernels.weight_only_linear(c, *ops, q8_activations=kern == "native-q8a")
-                  for c in x2.split(NATIVE_MAX_ROWS)]
+            ops, q8 = (self.weight, *self.native_operands(), bias, self.bits), kern == "native-q8a"
+            ys = [native_kernels.weight_only_linear(c, *ops, q8_activations=q8) for c in x2.split(NATIVE_MAX_ROWS)]
             return (ys[0] if len(ys) == 1 else torch.cat(ys)).view(*shape[:-1], self.out_features)
         if kern == "packed" and self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale[:, 0])
