@@ -76,7 +76,8 @@ class EngineLoop:
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, min_tokens=steps + 8)
         for _ in range(batch):
             ids = prompt if prompt is not None else torch.randint(0, 50256, (PROMPT,), generator=g).tolist()
-            self.core.add(Request([ids], params), bounded=False)
+            # Nobody reads scores here, as `gptforge generate` streaming text (greedy: the head may be screened).
+            self.core.add(Request([ids], params, keep_scores=False), bounded=False)
         while any(s.chunks for s in self.core.scheduler.running) or self.core.scheduler.waiting:
             self.core.step()
 

@@ -31,6 +31,12 @@ decode time after the prompt. The engines, all at the same thread count:
 step (`generate/fused_step.py`, the default) and with `GPTFORGE_FUSED_DECODE=off` (the Python
 step), interleaved in the same rounds; the report adds their ratios.
 
+`--compare-screen`: every gptforge engine whose head can be screened (fp32, bf16 head) runs
+again with `GPTFORGE_HEAD_SCREEN=off` (the whole head computed every token; llama.cpp computes
+every logit), interleaved in the same rounds; the report adds their ratios. gptforge's loop reads
+no scores, as `gptforge generate` streaming text, so greedy decoding screens the head by default
+(`transforms/head_screen.py`: the same tokens).
+
 llama.cpp's f16 figure stands alone. Rounds interleave every engine (load from other processes
 hits all alike); reported: median of the per-round medians, and the spread (min-max of the round
 medians), with the load average before and after and the CPU name. The int4 (and bf16)
@@ -176,12 +182,31 @@ def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[flo
     """One engine's per-token decode seconds for `n` greedy tokens."""
     if not name.startswith("gptforge"):
         return llama_times(eng, ids, n)[1]
+    if name.endswith(FULL_HEAD):
+        with env_var("GPTFORGE_HEAD_SCREEN", "off"):
+            return _turn(name.removesuffix(FULL_HEAD).rstrip(), eng, prompt, ids, n, loop)
     off = name.endswith(UNFUSED)
     kern = name.removesuffix(UNFUSED).split()[-1]
     int8_kern = kern if name.startswith("gptforge int8 ") else None  # --int8-kernels: the real INT8 model's path
     with kernel_env({"before": "packed", "native-q8a": "native-q8a"}.get(kern)), fused_env(off), \
             kernel_env(int8_kern, "GPTFORGE_INT8_KERNEL"):
         return engine_times(eng, ids, n) if loop == "engine" else decode_times(eng, prompt, n, True)[1]
+
+
+FULL_HEAD = "(full head)"  # the suffix of --compare-screen's twins: GPTFORGE_HEAD_SCREEN=off
+
+
+@contextlib.contextmanager
+def env_var(var: str, value: str):
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
 
 
 def _with_twin(name: str) -> tuple[str, ...]:
@@ -221,6 +246,9 @@ def run_preset(preset: str, args, tmp: Path) -> list[tuple[str, list[float], int
         engines[f"llama.cpp {t}"] = (llm, r.bytes)
     if args.compare_fused:  # each engine the fused step applies to again with the Python step, same rounds
         engines = {k2: v for k, v in engines.items() for k2 in _with_twin(k)}
+    if args.compare_screen:  # fp32 and bf16-head engines again with the whole head every token
+        engines = {k2: v for k, v in engines.items() for k2 in (
+            (k, f"{k} {FULL_HEAD}") if k.startswith(("gptforge fp32", "gptforge wo-bf16")) else (k,))}
     ids = prompt[0].tolist()
     for name, (eng, _) in engines.items():  # warm-up: first-call packing, page faults of the mapped file
         _turn(name, eng, prompt, ids, 2, args.loop)
@@ -255,6 +283,9 @@ def report(preset: str, rows, args) -> None:
              ("gptforge wo-int4 native-q8a", "llama.cpp q4_0"), ("gptforge int8 native", "gptforge int8 split"),
              ("gptforge int8 native", "llama.cpp q8_0"), ("gptforge int8 native", "gptforge fp32"))
     pairs += tuple((name, f"{name} {UNFUSED}") for name in tps if f"{name} {UNFUSED}" in tps)
+    pairs += tuple((name, f"{name} {FULL_HEAD}") for name in tps if f"{name} {FULL_HEAD}" in tps)
+    pairs += tuple((f"{name} {FULL_HEAD}", theirs) for name, theirs in (
+        ("gptforge fp32", "llama.cpp f32"), ("gptforge wo-bf16 native", "llama.cpp f16")) if f"{name} {FULL_HEAD}" in tps)
     print()
     for ours, theirs in pairs:
         if ours in tps and theirs in tps:
@@ -282,6 +313,9 @@ def main() -> int:
                     "in it), not wall time, which on a shared machine counts the time other processes hold the core")
     ap.add_argument("--compare-fused", action="store_true",
                     help="time every gptforge engine also with GPTFORGE_FUSED_DECODE=off (the Python step), "
+                    "interleaved in the same rounds")
+    ap.add_argument("--compare-screen", action="store_true",
+                    help="time the fp32 and bf16-head engines also with GPTFORGE_HEAD_SCREEN=off (the whole head), "
                     "interleaved in the same rounds")
     ap.add_argument("--int8-kernels", nargs="+", default=["auto"], choices=["auto", "split", "plain", "native"],
                     help="the real INT8 model's paths to time (GPTFORGE_INT8_KERNEL), each an engine of its own")

@@ -250,7 +250,8 @@ def _decode(model, tok, prompts: list[str], cfg, args: argparse.Namespace, do_st
     results = []
     if do_stream:
         for prompt in prompts:
-            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt, draft=draft, stop=stop)
+            s = stream(model, tok, prompt, g, truncate_prompt=args.truncate_prompt, draft=draft, stop=stop,
+                       scores=bool(args.json))  # streamed text shows no score: only --json reads it
             shown = chat is None
             sys.stdout.write(prompt if shown else "")
             sys.stdout.flush()

@@ -318,8 +318,9 @@ class TextStream:
     generated; after the loop `result` holds the `GenerationResult`."""
 
     def __init__(self, model, tokenizer, prompt: str, cfg, ids, eos, pad, limit, processors, draft=None,
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), scores: bool = True):
         self._args = (model, tokenizer, prompt, cfg, ids, eos, pad, limit, processors)
+        self._scores = scores
         self._draft = draft
         self._stop = list(stop)
         self.result: GenerationResult | None = None
@@ -332,7 +333,8 @@ class TextStream:
                                   tokenizer=tokenizer, draft_backend=dbe, num_draft_tokens=cfg.num_draft_tokens)
             events: list = []
             params = dataclasses.replace(from_generation(cfg), stop=self._stop)
-            seq = core.add(Request([ids[0]], params, n=1, sink=events.append), bounded=False)[0]
+            seq = core.add(Request([ids[0]], params, n=1, sink=events.append, keep_scores=self._scores),
+                           bounded=False)[0]
             pieces: list[str] = []
             while core.has_work:
                 with torch.inference_mode():
@@ -349,17 +351,19 @@ class TextStream:
         reason = "eos" if ended else "stop" if seq.finish_reason == "stop" else "length"
         text = "".join(pieces) if reason == "stop" else tokenizer.decode(kept)
         self.result = GenerationResult(
-            [prompt], [[text]], [[kept]], [[seq.logprob_sum / max(len(toks), 1)]],
+            [prompt], [[text]], [[kept]], [[seq.logprob_sum / max(len(toks), 1) if self._scores else float("nan")]],
             [[reason]], time.perf_counter() - t0, len(toks), [len(ids[0])], core.stats)
 
 
 def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None, device=None, *,
            processors: Sequence[LogitsProcessor] = (), truncate_prompt: bool = False, draft=None,
-           stop: Sequence[str] = ()) -> TextStream:
+           stop: Sequence[str] = (), scores: bool = True) -> TextStream:
     """Text deltas of one continuation as they are generated (greedy or sampling, one sequence).
     The config and prompt are checked now; generation runs while you iterate. `draft`: as in
     `generate`. `stop`: strings that end the text before them (a chat template's, e.g.
-    "\\nUser:"); its finish reason is then "stop". Closing the iterator early stops decoding."""
+    "\\nUser:"); its finish reason is then "stop". Closing the iterator early stops decoding.
+    `scores=False`: the result's score is NaN, and greedy decoding may then screen the LM head
+    (only the argmax is read: the same tokens, faster; docs/generate.md)."""
     cfg, texts, ids, eos, pad, limit = _prepare(model, tokenizer, prompt, config, device, truncate_prompt)
     if len(texts) != 1:
         raise DataError(f"stream takes one prompt, got {len(texts)}; use generate() for a batch")
@@ -368,4 +372,4 @@ def stream(model, tokenizer, prompt: str, config: GenerationConfig | None = None
                           "sampling (beam search only knows its best sequence at the end); use generate()")
     draft = _resolve_draft(cfg, draft, tokenizer, _device_of(model))
     return TextStream(model, tokenizer, texts[0], dataclasses.replace(cfg), ids, eos, pad, limit, processors, draft,
-                      stop)
+                      stop, scores)

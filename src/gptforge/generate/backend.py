@@ -30,7 +30,7 @@ from gptforge.config.sampling import kv_cache_dtype_name
 from gptforge.errors import ConfigError
 from gptforge.generate import fused_step
 from gptforge.model.kv_cache import KV_DTYPES
-from gptforge.transforms import fp32_gemv, huge_pages, native_kernels
+from gptforge.transforms import fp32_gemv, head_screen, huge_pages, native_kernels
 from gptforge.transforms.weight_only import WeightOnlyLinear
 
 
@@ -359,8 +359,16 @@ class TorchBackend:
         if self.prepack and self._open and not self._packed_rows:
             self._pack(PACKED_LAYOUT_ROWS)
 
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits (float32) of final hidden states [R, hidden]."""
+    def project(self, h: torch.Tensor, argmax_masks=None) -> torch.Tensor:
+        """Vocabulary logits (float32) of final hidden states [R, hidden]. `argmax_masks` (one
+        `head_screen.Mask` per row): only each row's greedy choice is read, so the head may be
+        screened (`transforms/head_screen.py`): -inf except where the choice can be."""
+        if argmax_masks is not None and h.shape[0] <= head_screen.MAX_ROWS and head_screen.available():
+            exact = head_screen.exact_columns(self.model, self._head_gemv, h)
+            screen = None if exact is None else head_screen.screen_of(self.model.wte, self.model.wte.weight)
+            out = None if screen is None else head_screen.screened_logits(h, screen, exact, argmax_masks)
+            if out is not None:
+                return out
         # Several rows take fp32_rows too since it prefetches the weights that stream from memory:
         # 1.12-1.23x oneDNN's packed kernel on the 124M head at 4-64 rows, the same bits
         # (results/2026-11-27-rows-prefetch.md; before, 0.89-1.11x kept the head on oneDNN).
@@ -397,7 +405,7 @@ class TorchBackend:
             with self._routed(getattr(batch, "adapter_rows", None)):
                 h = self.model.hidden_states(batch.input_ids, batch.position_ids, None, batch)[0]
         batch.commit()
-        return self.project(h.index_select(0, batch.logits_index))
+        return self.project(h.index_select(0, batch.logits_index), batch.argmax_masks)
 
     def _fused_decode(self, batch) -> fused_step.FusedDecode | None:
         """The fused one-sequence step where it applies to `batch` and the model (built at the first

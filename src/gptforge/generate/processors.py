@@ -145,6 +145,22 @@ class TopP:
         return scores.masked_fill_(remove, float("-inf"))
 
 
+def argmax_mask(procs: ProcessorList, history_len: int) -> tuple[int | None, tuple[int, ...]] | None:
+    """What `procs` leave of a greedy row's choices after `history_len` tokens when each of them
+    only forbids columns (`VocabLimit`, `MinNewTokens`): (the column limit or None, the forbidden
+    ids); None where another processor runs (the whole scores are then read)."""
+    limit, banned = None, ()
+    for p in procs:
+        if type(p) is VocabLimit:
+            limit = p.limit if limit is None else min(limit, p.limit)
+        elif type(p) is MinNewTokens:
+            if p.eos and history_len - p.prompt_len < p.min_new_tokens:
+                banned += tuple(p.eos)
+        else:
+            return None
+    return limit, banned
+
+
 def build_processors(repetition_penalty: float, min_new_tokens: int, prompt_len: int,
                      eos_token_ids: Sequence[int], vocab_limit: int | None,
                      extra: Iterable[LogitsProcessor] = ()) -> ProcessorList:

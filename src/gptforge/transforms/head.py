@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 
-def _embedding_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+def embedding_logits(self, hidden: torch.Tensor) -> torch.Tensor:
     return self.wte.project(hidden)
 
 
 def install_head(model: nn.Module) -> None:
     """Route the model's `logits` through `model.wte.project`."""
-    model.logits = types.MethodType(_embedding_logits, model)
+    model.logits = types.MethodType(embedding_logits, model)

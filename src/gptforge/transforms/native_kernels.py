@@ -34,7 +34,7 @@ ISAS = ("auto", "avx512", "avx2", "scalar", "off")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 CACHE_ENV = "GPTFORGE_KERNEL_CACHE"
 SOURCES = ("weight_only_gemv.cpp", "weight_only_q8a.cpp", "decode_attention.cpp", "fp32_gemv.cpp", "fused_decode.cpp",
-           "int8_rows.cpp", "row_argmax.cpp", "gelu.cpp")
+           "int8_rows.cpp", "row_argmax.cpp", "gelu.cpp", "head_screen.cpp")
 # -fopenmp: at::parallel_for is an inline template that runs serially unless the extension itself is
 # compiled with OpenMP (_OPENMP); its GOMP symbols resolve to torch's own runtime, one thread pool.
 OPENMP_FLAGS = ("-fopenmp",) if torch._C.has_openmp else ()
@@ -250,6 +250,18 @@ def fp32_rows(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: i
     """`fp32_gemv` for x [rows, K]: [rows, n], each row's bits those `fp32_gemv` gives it alone (the
     rows share each weight block's loads; csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
     return getattr(torch.ops, _LIB).fp32_rows(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
+
+
+def fp32_columns(x: torch.Tensor, w: torch.Tensor, cols: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """x [R, K] times the row-major fp32 weight's rows `cols` (int64 [C]): [R, C], each value the
+    one `fp32_gemv` / `fp32_rows` give for that output over blocks made of `w` (csrc/fp32_gemv.cpp)."""
+    return getattr(torch.ops, _LIB).fp32_columns(w, x.contiguous(), cols, ISA_CODES[path or isa()])
+
+
+def screen_candidates(approx: torch.Tensor, floor: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """The columns (int64, ascending) where some row r of `approx` [R, V] is >= floor[r]
+    (csrc/head_screen.cpp)."""
+    return getattr(torch.ops, _LIB).screen_candidates(approx, floor, ISA_CODES[path or isa()])
 
 
 def row_argmax(x: torch.Tensor, path: str | None = None) -> torch.Tensor:

@@ -307,9 +307,47 @@ at::Tensor fp32_rows(const at::Tensor& wb, const at::Tensor& x, const c10::optio
   return out;
 }
 
+// x: [R, K] rows; w: the row-major [V, K] weight the blocks were made of; cols: int64 [C] -> [R, C],
+// each the value fp32_gemv / fp32_rows give for output cols[c]: the same block kernel over a block
+// gathered from those columns (the LM head screen's candidates, transforms/head_screen.py).
+at::Tensor fp32_columns(const at::Tensor& w, const at::Tensor& x, const at::Tensor& cols, int64_t isa) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(), "w: contiguous fp32 [V, K]");
+  const int64_t V = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x: contiguous fp32 [rows, ", K, "]");
+  TORCH_CHECK(cols.dim() == 1 && cols.scalar_type() == at::kLong && cols.is_contiguous(), "cols: int64 [C]");
+  TORCH_CHECK(cpu_has(isa), "this CPU cannot run ISA path ", isa);
+  const int64_t R = x.size(0), C = cols.size(0);
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t c = 0; c < C; ++c) TORCH_CHECK(cp[c] >= 0 && cp[c] < V, "column ", cp[c], " outside [0, ", V, ")");
+  at::Tensor out = at::empty({R, C}, x.options());
+  const float* wp = w.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  auto kernel = isa == kAvx512 ? block_avx512 : isa == kAvx2 ? block_avx2 : block_scalar;
+  at::parallel_for(0, (C + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> blk(static_cast<size_t>(K * kBlock));
+    alignas(64) float buf[kBlock];
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t c0 = nb * kBlock, n = std::min(kBlock, C - c0);
+      std::fill(blk.begin(), blk.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* src = wp + cp[c0 + j] * K;
+        for (int64_t k = 0; k < K; ++k) blk[k * kBlock + j] = src[k];
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        kernel(blk.data(), xp + r * K, K, buf);
+        std::copy(buf, buf + n, o + r * C + c0);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace gptforge_wo
 
 TORCH_LIBRARY_FRAGMENT(gptforge_wo, m) {
+  m.def("fp32_columns(Tensor w, Tensor x, Tensor cols, int isa) -> Tensor", &gptforge_wo::fp32_columns);
   m.def("fp32_gemv(Tensor wb, Tensor x, Tensor? bias, int N, int isa) -> Tensor", &gptforge_wo::fp32_gemv);
   m.def("fp32_rows(Tensor wb, Tensor x, Tensor? bias, int N, int isa) -> Tensor", &gptforge_wo::fp32_rows);
 }
