@@ -115,7 +115,7 @@ def test_non_finite_or_huge_rows_fall_back(screen_runs):
 
 def test_bf16_head_columns_are_the_heads_bits(screen_runs):
     model = quantize_rtn_model(copy.deepcopy(tiny_model()[0]), WeightOnlySpec(bits=16, group_size=0, head_bits=16))
-    h = torch.randn(3, model.config.hidden_size)
+    h = torch.randn(head_screen.BF16_MAX_ROWS, model.config.hidden_size)
     exact = head_screen.exact_columns(model, None, h)
     if exact is None:
         pytest.skip("the bf16 head does not run on the native kernel here")
@@ -123,8 +123,10 @@ def test_bf16_head_columns_are_the_heads_bits(screen_runs):
     cols = torch.tensor([0, 5, 63, 64, 200, full.shape[1] - 1])
     assert torch.equal(exact(h, cols), full[:, cols])
     screen = head_screen.build(model.wte.weight)
-    out = head_screen.screened_logits(h, screen, exact, [(None, ())] * 3)
+    out = head_screen.screened_logits(h, screen, exact, [(None, ())] * len(h))
     assert torch.equal(row_argmax(out), row_argmax(full))
+    more = torch.randn(head_screen.BF16_MAX_ROWS + 1, model.config.hidden_size)
+    assert head_screen.exact_columns(model, None, more) is None  # where the screen stops paying
 
 
 def test_other_heads_are_not_screened(built):

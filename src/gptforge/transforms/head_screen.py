@@ -35,7 +35,11 @@ from gptforge.transforms.head import embedding_logits
 from gptforge.transforms.weight_only import WeightOnlyEmbedding
 
 ENV = "GPTFORGE_HEAD_SCREEN"  # "off": always the full head
-MAX_ROWS = 8  # the weight-only kernel's rows per call; beyond, the fp32 head's own GEMM is as fast
+# Rows a screened call takes: the weight-only kernel's per call. Against the 124M head on 2 AVX2
+# cores the screen took 0.43x the fp32 head's time at 1 row, 0.73x at 8; a bf16 head reads half
+# of fp32's bytes, so there it pays only up to 2 rows (0.71x at 1, 0.86x at 2, ~1x at 4-8).
+MAX_ROWS = 8
+BF16_MAX_ROWS = 2
 _U = 2.0 ** -24  # fp32 unit roundoff
 _SAFE = 1e36  # |h| * |w| beyond this could overflow a partial sum: no screen
 _CHUNK = 4096  # rows of the head per float64 pass when building (bounded memory)
@@ -157,13 +161,13 @@ def exact_columns(model: torch.nn.Module, head_gemv: tuple | None,
     same kernel over those columns' weights: each output's sum never depends on the others), or
     None where the head's kernel is not one whose columns can be taken apart: the fp32 head on
     the native GEMV (`head_gemv`: its 64-output blocks and ISA path) or a bf16 weight-only head on
-    the native kernel."""
+    the native kernel (up to `BF16_MAX_ROWS` rows)."""
     if head_gemv is not None:
         w, path = model.wte.weight, head_gemv[1]  # the weight the head's blocks were made of
         return lambda x, cols: native_kernels.fp32_columns(x, w, cols, path)
     wte = getattr(model, "wte", None)
     if (isinstance(wte, WeightOnlyEmbedding) and wte.bits == 16 and not wte._awq
             and getattr(model.__dict__.get("logits"), "__func__", None) is embedding_logits
-            and wte.kernel_for(h) == "native"):
+            and h.shape[0] <= BF16_MAX_ROWS and wte.kernel_for(h) == "native"):
         return lambda x, cols: native_kernels.weight_only_linear(x, wte.weight[cols], None, None, None, 16)
     return None
