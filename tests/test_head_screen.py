@@ -203,3 +203,56 @@ def test_requests_reading_scores_are_not_screened(screen_runs, monkeypatch):
                             [[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
     release_packed(model)
     assert len(seqs[0].generated) == 3 and calls == []  # offline clients keep scores by default
+
+
+def test_a_head_changed_through_data_gets_a_new_screen(screen_runs, monkeypatch):
+    """A write through `.data` bumps no version counter: the screen is checked against the
+    weights' content at each opening, so the next decode screens the new head, not the old one."""
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    before, head = _decode(model, params, False)
+    if not head:
+        pytest.skip("the head's GEMV order check fails on this CPU: no screen")
+    with torch.no_grad():
+        model.wte.weight.data[17] *= 40.0  # token 17 now wins most steps
+    after, _ = _decode(model, params, False)
+    monkeypatch.setenv(head_screen.ENV, "off")
+    whole, _ = _decode(model, params, False)
+    assert after == whole != before
+
+
+def test_speculative_verification_is_screened_and_keeps_plain_greedy(screen_runs, monkeypatch):
+    """A greedy request that reads no scores has its target's verification rows (after each draft
+    token) screened too: the tokens are plain greedy's."""
+    torch.manual_seed(0)
+    model, _ = tiny_model()
+    with torch.no_grad():
+        model.wte.weight.normal_(0, 0.3)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.blocks.parameters():
+            p.add_(torch.randn_like(p) * 0.08)  # a draft that is sometimes wrong (7 of 30 kept here)
+    calls = []
+    real = head_screen.screened_logits
+    monkeypatch.setattr(head_screen, "screened_logits", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    params = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=20)
+    prompt = [[5, 6, 7, 8, 9]]
+    with TorchBackend(model) as be, TorchBackend(draft) as dbe:
+        core = offline_engine(be, eos_token_ids=[0], vocab_limit=990, max_batch_size=1, draft_backend=dbe,
+                              num_draft_tokens="3")
+        spec = run_requests(core, prompt, params, keep_scores=False)[0].generated
+        head = be._head_gemv is not None
+        stats = core.stats
+    release_packed(model)
+    release_packed(draft)
+    if not head:
+        pytest.skip("the head's GEMV order check fails on this CPU: no screen")
+    assert 4 in calls  # the last token + 3 drafts, verified in one screened call
+    monkeypatch.setenv(head_screen.ENV, "off")
+    with TorchBackend(model) as be:
+        ref = run_requests(offline_engine(be, eos_token_ids=[0], vocab_limit=990, max_batch_size=1), prompt,
+                           params)[0].generated
+    release_packed(model)
+    assert list(spec) == list(ref)
+    assert stats.drafted > 0  # (here 7 of 30 drafts kept: both branches of the acceptance ran)

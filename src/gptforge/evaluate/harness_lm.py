@@ -158,7 +158,7 @@ class GPTForgeLM(TemplateLM):
         with TorchBackend(self.model) as be:
             core = offline_engine(be, eos_token_ids=[self.eot_token_id], vocab_limit=self.vocab_size,
                                   max_batch_size=self.batch_size, tokenizer=self.tokenizer)
-            seqs = run_requests(core, ctxs, params)
+            seqs = run_requests(core, ctxs, params, keep_scores=False)  # lm-eval reads only the text
         return [s.text_state.text for s in seqs]  # the whole text, cut before a stop sequence
 
 

@@ -261,6 +261,7 @@ class TorchBackend:
         self._fused: fused_step.FusedDecode | None = None  # batch-1 decode in one call (`fused_step`)
         self._fused_key: tuple | None = None  # the forcing variables `_fused` was built under
         self.fused_steps = 0  # steps that took the fused path (tests, benchmarks)
+        self._screener = head_screen.HeadScreener()  # greedy rows' argmax without the whole head
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -287,6 +288,7 @@ class TorchBackend:
             mod.__dict__.pop("forward", None)
         self._gelus.clear()
         self._slot_layout = None
+        self._screener.reset()
         self._unpack()
         self._packed_rows = 0
         self.model.train(self._was_training)
@@ -363,12 +365,9 @@ class TorchBackend:
         """Vocabulary logits (float32) of final hidden states [R, hidden]. `argmax_masks` (one
         `head_screen.Mask` per row): only each row's greedy choice is read, so the head may be
         screened (`transforms/head_screen.py`): -inf except where the choice can be."""
-        if argmax_masks is not None and h.shape[0] <= head_screen.MAX_ROWS and head_screen.available():
-            exact = head_screen.exact_columns(self.model, self._head_gemv, h)
-            screen = None if exact is None else head_screen.screen_of(self.model.wte, self.model.wte.weight)
-            out = None if screen is None else head_screen.screened_logits(h, screen, exact, argmax_masks)
-            if out is not None:
-                return out
+        out = self._screener.logits(self.model, self._head_gemv, h, argmax_masks) if self._open else None
+        if out is not None:
+            return out
         # Several rows take fp32_rows too since it prefetches the weights that stream from memory:
         # 1.12-1.23x oneDNN's packed kernel on the 124M head at 4-64 rows, the same bits
         # (results/2026-11-27-rows-prefetch.md; before, 0.89-1.11x kept the head on oneDNN).

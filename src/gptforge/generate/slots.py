@@ -71,9 +71,9 @@ class Segment:
     want_logits: bool  # return the logits after its last token
     all_logits: bool = False  # return the logits after every one of its tokens (speculative verification)
     adapter: str | None = None  # the served LoRA adapter its tokens decode with (None: the base)
-    # Only the greedy choice of its logits is read, among the columns this mask leaves
-    # (`transforms.head_screen.Mask`); None: the whole logits are read.
-    argmax_mask: tuple | None = None
+    # Only the greedy choice of each row of logits it returns is read, among the columns its mask
+    # leaves (one `transforms.head_screen.Mask` per row); None: the whole logits are read.
+    argmax_masks: list | None = None
 
 
 class RaggedBatch:
@@ -107,8 +107,8 @@ class RaggedBatch:
         self.logits_index = torch.tensor(want, dtype=torch.long, device=device)
         wanted = [s for s in self.segments if s.want_logits or s.all_logits]
         # The head may be screened when every row's reader wants only its greedy choice.
-        self.argmax_masks = ([s.argmax_mask for s in wanted] if wanted and all(
-            s.argmax_mask is not None and not s.all_logits for s in wanted) else None)
+        self.argmax_masks = ([m for s in wanted for m in s.argmax_masks]
+                             if wanted and all(s.argmax_masks is not None for s in wanted) else None)
         self.length = 0  # read by `hidden_states` as the shared start; positions are explicit here
         # Decode tokens (one new token, the slot's only segment in this step) attend through the
         # native kernel, all in one call per layer, whatever else shares the step.

@@ -101,7 +101,7 @@ class EngineCore:
         try:
             props = self.spec.propose(plan.decode, plan.prefill) if self.spec is not None else {}
             works = [self._decode_work(s, props.get(s)) for s in plan.decode if not s.done]
-            works += [Work(s, s.prompt[a:b], a, last, argmax_mask=self._argmax_mask(s) if last else None)
+            works += [Work(s, s.prompt[a:b], a, last, argmax_masks=self._argmax_masks(s, 1) if last else None)
                       for s, a, b in plan.prefill for last in [not s.chunks and b == len(s.prompt)]]
             outs = run_step(self.slots, works)
         except Exception as e:  # noqa: BLE001 - a failed step ends its sequences, not the engine
@@ -128,16 +128,21 @@ class EngineCore:
     def _decode_work(self, s: Sequence, prop) -> Work:
         last = len(s.prompt) + len(s.generated) - 1
         if prop is None:
-            return Work(s, [s.generated[-1]], last, True, argmax_mask=self._argmax_mask(s))
-        return Work(s, [s.generated[-1]] + prop.tokens, last, True, all_logits=True)
+            return Work(s, [s.generated[-1]], last, True, argmax_masks=self._argmax_masks(s, 1))
+        n = 1 + len(prop.tokens)
+        return Work(s, [s.generated[-1]] + prop.tokens, last, True, all_logits=True,
+                    argmax_masks=self._argmax_masks(s, n))
 
     @staticmethod
-    def _argmax_mask(s: Sequence):
-        """The columns left to `s`'s next token when only its greedy choice is read (no
-        sampling, no log-probs or kept scores, only column-forbidding processors), else None."""
+    def _argmax_masks(s: Sequence, n: int) -> list | None:
+        """The columns left to `s`'s next `n` tokens (a verification's rows: after each draft token)
+        when only their greedy choices are read (no sampling, no log-probs or kept scores, only
+        column-forbidding processors), else None."""
         if s.sampling is None or s.sampling.warpers is not None or s.req.keep_scores or s.params.logprobs is not None:
             return None
-        return argmax_mask(s.sampling.processors, len(s.prompt) + len(s.generated))
+        at = len(s.prompt) + len(s.generated)
+        masks = [argmax_mask(s.sampling.processors, at + i) for i in range(n)]
+        return None if None in masks else masks
 
     def _isolated(self, compute, items: list) -> list:
         """`compute(items)` (one result per item, None for an item it ended); if it fails, again

@@ -33,14 +33,15 @@ def offline_engine(backend, *, eos_token_ids: Seq[int], vocab_limit: int | None,
 
 
 def run_requests(core: EngineCore, prompts: Seq[Seq[int]], params: SamplingParams,
-                 on_finish=None) -> list[Sequence]:
+                 on_finish=None, keep_scores: bool = True) -> list[Sequence]:
     """Decode every prompt (`params.n` sequences each) to the end; the sequences, prompt-major.
-    `on_finish(seq)` is called as each one ends (progress)."""
+    `on_finish(seq)` is called as each one ends (progress). `keep_scores=False`: no
+    `logprob_sum` (greedy steps may then screen the head, `transforms/head_screen.py`)."""
     def sink(ev):
         if on_finish is not None and isinstance(ev, FinishEvent):
             on_finish(ev)
 
-    reqs = [Request([p], params, sink=sink) for p in prompts]
+    reqs = [Request([p], params, sink=sink, keep_scores=keep_scores) for p in prompts]
     seqs = [s for r in reqs for s in core.add(r, bounded=False)]
     with torch.inference_mode():
         while core.has_work:

@@ -22,7 +22,7 @@ class Work:
     start: int  # position of the first token
     want: bool  # logits after the last token
     all_logits: bool = False  # logits after every token (speculative verification)
-    argmax_mask: tuple | None = None  # only the greedy choice is read (`slots.Segment.argmax_mask`)
+    argmax_masks: list | None = None  # only the greedy choices are read (`slots.Segment.argmax_masks`)
 
 
 def run_step(slots, works: Seq[Work], draft: bool = False) -> list[torch.Tensor | None]:
@@ -30,7 +30,7 @@ def run_step(slots, works: Seq[Work], draft: bool = False) -> list[torch.Tensor 
     ([n, V] with `all_logits`, [V] with `want`, else None)."""
     # The draft model proposes without the request's adapter; the target verifies with it.
     segs = [Segment(w.seq.dslot if draft else w.seq.slot, w.tokens, w.start, w.want, w.all_logits,
-                    None if draft else w.seq.params.adapter, None if draft else w.argmax_mask) for w in works]
+                    None if draft else w.seq.params.adapter, None if draft else w.argmax_masks) for w in works]
     if not segs:
         return []
     logits = slots.step(segs)
