@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from gf_testutil import ISA_ORDER, skip_unless_runs
 from gf_testutil import within_fp32_rounding as _tolerance_check
@@ -218,6 +219,27 @@ def test_a_waiting_process_loads_the_library_the_lock_holder_built(built, tmp_pa
     t.join(30)
     assert got == [d / done.name] and not (d / "build").exists()
     assert "building" not in capsys.readouterr().err
+
+
+def test_a_build_killed_midway_does_not_block_the_next_one(monkeypatch, tmp_path):
+    """A build killed midway (Ctrl-C, a timeout) leaves cpp_extension's lock file in the build
+    directory; the next build (holding gptforge's own lock, released by the OS at the death) goes
+    ahead instead of waiting on it forever."""
+    d = tmp_path / "k"
+    (d / "build").mkdir(parents=True)
+    (d / "build" / "lock").touch()  # what a killed cpp_extension.load leaves
+    seen = []
+
+    def load(name, sources, build_directory, **_):
+        seen.append((Path(build_directory) / "lock").exists())
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    done = []
+    t = threading.Thread(target=lambda: done.append(native_kernels._build(d)), daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [d / f"{native_kernels._LIB}.so"] and seen == [False]
 
 
 def test_a_new_process_reuses_the_built_library(built):

@@ -107,6 +107,10 @@ def _build(d: Path) -> Path:
 
 
 def _compile(cpp_extension, tmp: Path, flags: tuple[str, ...]) -> None:
+    # cpp_extension's own lock file ("baton") stays behind when a build is killed (Ctrl-C, a
+    # timeout), and every later build would wait on it forever; we hold `_locked` here, so no
+    # other build of this directory is running and the file can only be stale.
+    (tmp / "lock").unlink(missing_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cpp_extension.load(_LIB, [str(_CSRC / s) for s in SOURCES], extra_cflags=list(flags),
