@@ -183,7 +183,7 @@ def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[flo
     if not name.startswith("gptforge"):
         return llama_times(eng, ids, n)[1]
     if name.endswith(FULL_HEAD):
-        with env_var("GPTFORGE_HEAD_SCREEN", "off"):
+        with kernel_env("off", "GPTFORGE_HEAD_SCREEN"):
             return _turn(name.removesuffix(FULL_HEAD).rstrip(), eng, prompt, ids, n, loop)
     off = name.endswith(UNFUSED)
     kern = name.removesuffix(UNFUSED).split()[-1]
@@ -194,19 +194,6 @@ def _turn(name: str, eng, prompt, ids, n: int, loop: str = "engine") -> list[flo
 
 
 FULL_HEAD = "(full head)"  # the suffix of --compare-screen's twins: GPTFORGE_HEAD_SCREEN=off
-
-
-@contextlib.contextmanager
-def env_var(var: str, value: str):
-    old = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
 
 
 def _with_twin(name: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gf_testutil import tiny_model
+from gptforge.errors import UsageError
 from gptforge.generate.backend import TorchBackend, release_packed
 from gptforge.generate.engine.offline import offline_engine, run_requests
 from gptforge.generate.engine.params import SamplingParams
@@ -139,6 +140,9 @@ def test_other_heads_are_not_screened(built):
 def test_the_switch_turns_it_off(built, monkeypatch):
     monkeypatch.setenv(head_screen.ENV, "off")
     assert not head_screen.available()
+    monkeypatch.setenv(head_screen.ENV, "of")  # a typo is an error naming the variable, never silently on
+    with pytest.raises(UsageError, match="GPTFORGE_HEAD_SCREEN='of'"):
+        head_screen.available()
 
 
 def test_which_processors_leave_a_mask():

@@ -22,7 +22,6 @@ return None: the caller computes the full head.
 
 from __future__ import annotations
 
-import os
 import struct
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,10 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.transforms import huge_pages, native_kernels
+from gptforge.transforms.cpu_kernels import requested_choice
 from gptforge.transforms.head import embedding_logits
 from gptforge.transforms.weight_only import WeightOnlyEmbedding
 
-ENV = "GPTFORGE_HEAD_SCREEN"  # "off": always the full head
+ENV = "GPTFORGE_HEAD_SCREEN"  # auto (default) | off: always the full head
 # Rows a screened call takes: the weight-only kernel's per call. Against the 124M head on 2 AVX2
 # cores the screen took 0.43x the fp32 head's time at 1 row, 0.73x at 8; a bf16 head reads half
 # of fp32's bytes, so there it pays only up to 2 rows (0.71x at 1, 0.86x at 2, ~1x at 4-8).
@@ -57,7 +57,8 @@ class Screen:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+    """`GPTFORGE_HEAD_SCREEN`: auto (screen where it applies) or off; another value is a UsageError."""
+    return requested_choice(None, ENV, ("auto", "off"), ENV) == "auto"
 
 
 def available() -> bool:
