@@ -57,12 +57,16 @@ def within_fp32_rounding(y, x, wf, b) -> None:
 
 
 def packed_rows_invariant(model) -> bool:
-    """Whether oneDNN's packed fp32 Linear is batch-invariant on this CPU for `model`'s Linear
-    shapes (`generate.backend.packed_rows_invariant`)."""
+    """Whether the decode backend's fp32 products are batch-invariant on this CPU for `model`: always
+    where gptforge's native kernels run (the backend routes every row count through their one order),
+    else where oneDNN's packed fp32 Linear is for the model's shapes (`generate.backend.packed_rows_invariant`)."""
     import torch
 
     from gptforge.generate.backend import packed_rows_invariant as differing
+    from gptforge.transforms import fp32_gemv
 
+    if fp32_gemv.available():
+        return True
     shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear}
     shapes.add(tuple(model.wte.weight.shape))
     return not any(differing(n, k) for n, k in shapes)
@@ -96,9 +100,10 @@ def assert_close_for_kernels(got, ref, kernels: set[str], tol: float) -> None:
 
 
 def assert_equal_if_invariant(got, ref, invariant: bool, tol: float = 1e-4) -> None:
-    """Bit-equal where oneDNN's packed rows are batch-invariant on this CPU (`packed_rows_invariant`);
-    elsewhere (a Xeon with AMX under torch 2.11: benchmarks/results/2026-11-26-avx512-check.md) the
-    same values within `tol`: a sequence's numbers then move in their last bits with its batch."""
+    """Bit-equal where the backend's products are batch-invariant on this CPU (`packed_rows_invariant`:
+    always with the native kernels); elsewhere (oneDNN alone on a Xeon with AMX under torch 2.11:
+    benchmarks/results/2026-11-26-avx512-check.md) the same values within `tol`: a sequence's numbers
+    then move in their last bits with its batch."""
     import torch
 
     if invariant:

@@ -29,7 +29,7 @@ def model():
                      num_return_sequences=2),
 ], ids=["greedy", "sampling"])
 def test_continuous_batching_equals_each_prompt_alone(model, cfg):
-    invariant = packed_rows_invariant(model)  # bit for bit where this CPU's oneDNN allows it
+    invariant = packed_rows_invariant(model)  # bit for bit with the native kernels, or where this CPU's oneDNN is invariant
     full = generate_ids(model, PROMPTS, cfg)
     n = cfg.num_return_sequences
     for bs in (1, 2):

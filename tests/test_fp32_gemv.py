@@ -1,8 +1,9 @@
-"""The one-row fp32 GEMV (`csrc/fp32_gemv.cpp`, `transforms/fp32_gemv.py`) against the reference it
-must reproduce bit for bit: PyTorch's oneDNN packed Linear in the batch-invariant small-batch
-layout the decode backend uses (`generate/backend.py`), on every instruction-set path this CPU
-runs, and the backend's routing of one-row products through it (issue #32). The several-rows
-kernel (`fp32_rows`) gives each row the GEMV's bits whatever rows share it, by construction."""
+"""The fp32 GEMV (`csrc/fp32_gemv.cpp`, `transforms/fp32_gemv.py`) against PyTorch's oneDNN packed
+Linear in the small-batch layout the decode backend uses (`generate/backend.py`): bit for bit where
+oneDNN sums in the same order (the AVX2 CPUs measured), within fp32 rounding elsewhere, on every
+instruction-set path this CPU runs; the several-rows kernel (`fp32_rows`) gives each row the GEMV's
+bits whatever rows share it, by construction; and the backend routes every fp32 product through
+them, so decoding is batch-invariant whatever oneDNN does on this CPU (issue #32)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ from gptforge.transforms import fp32_gemv, native_kernels
 
 def _packed(x, p, b):
     return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+
+
+@torch.no_grad()
+def sums_like_packed(wb, packed, bias, n: int, k: int, path=None, trials: int = 3) -> bool:
+    """Whether the GEMV over `wb` equals oneDNN's packed kernel over `packed` bit for bit on `trials`
+    random rows (fixed seed; values of mixed magnitudes and signs)."""
+    g = torch.Generator().manual_seed(n * 131 + k)
+    for t in range(trials):
+        x = torch.randn(1, k, generator=g) * (10.0 ** (t - 1))
+        if not torch.equal(native_kernels.fp32_gemv(x, wb, bias, n, path), _packed(x, packed, bias)):
+            return False
+    return True
 
 
 # Multiples of the 64-output blocks and not; K of one 1024-chunk, several, and a ragged last one.
@@ -37,10 +50,10 @@ def test_bit_identical_to_the_packed_kernel(built, path, n, k, bias, threads):
         wb = fp32_gemv.block_weight(w)
         xs = torch.randn(5, k) * torch.logspace(-2, 2, 5)[:, None]
         rows = _packed(xs, p, b)  # the packed kernel's rows are the same alone or in a batch
-        if not fp32_gemv.matches_packed(wb, p, b, n, k, path):
+        if not sums_like_packed(wb, p, b, n, k, path):
             # Which order oneDNN sums in depends on the CPU and its oneDNN build (on a Xeon with
-            # AVX-512 + AMX and torch 2.11 it blocks K >= 768 otherwise): the backend's one-time
-            # check then keeps the packed kernel (test_a_failed_check_keeps_the_packed_kernel).
+            # AVX-512 + AMX and torch 2.11 it blocks K >= 768 otherwise; AVX-512 Zen 5 too): the
+            # backend still routes through the GEMV, whose order is its own on every CPU.
             y = native_kernels.fp32_gemv(xs[:1], wb, b, n, path)
             torch.testing.assert_close(y, rows[:1], rtol=1e-5, atol=1e-5)  # the same product, other rounding
             pytest.skip(f"oneDNN's packed kernel sums {n}x{k} in another order on this CPU")
@@ -95,7 +108,7 @@ def test_rows_equal_the_packed_kernel_where_it_is_batch_invariant(built, threads
         for n, k in [(2304, 768), (768, 3072), (300, 1100)]:
             w, b = torch.randn(n, k) * 0.05, torch.randn(n)
             p, wb = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS), fp32_gemv.block_weight(w)
-            if not fp32_gemv.matches_packed(wb, p, b, n, k):
+            if not sums_like_packed(wb, p, b, n, k):
                 pytest.skip(f"oneDNN's packed kernel sums {n}x{k} in another order on this CPU")
             for r in (2, 9, 43, 130):
                 x = torch.randn(r, k)
@@ -105,23 +118,6 @@ def test_rows_equal_the_packed_kernel_where_it_is_batch_invariant(built, threads
                 assert torch.equal(native_kernels.fp32_rows(x, wb, b, n), ref), (n, k, r)
     finally:
         torch.set_num_threads(saved)
-
-
-def test_the_check_holds_outside_inference_mode(built):
-    """The backend may pack outside `inference_mode`, with a bias that requires grad: the check
-    answers as it does for the same numbers with a plain bias."""
-    lin = torch.nn.Linear(256, 100)
-    p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACKED_LAYOUT_ROWS)
-    wb = fp32_gemv.block_weight(lin.weight)
-    plain = fp32_gemv.matches_packed(wb, p, lin.bias.detach().clone(), 100, 256)
-    assert fp32_gemv.matches_packed(wb, p, lin.bias, 100, 256) == plain
-
-
-def test_the_check_fails_on_other_bits(built):
-    w = torch.randn(96, 2048)
-    p = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_LAYOUT_ROWS)
-    wrong = fp32_gemv.block_weight(w + 1e-3)
-    assert not fp32_gemv.matches_packed(wrong, p, None, 96, 2048)
 
 
 def _decode(model, steps=6):
@@ -140,40 +136,43 @@ def _decode(model, steps=6):
     return out, routed
 
 
-def _matching(model) -> tuple[bool, int]:
-    """(head, Linears) whose GEMV reproduces the packed kernel's bits on this CPU: what the backend routes."""
+def _sums_like_packed(model) -> bool:
+    """Whether oneDNN's packed kernel sums the head and every Linear of `model` as the GEMV does here."""
     def ok(w, b):
         p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_LAYOUT_ROWS)
-        return fp32_gemv.matches_packed(fp32_gemv.block_weight(w), p, b, w.shape[0], w.shape[1])
+        return sums_like_packed(fp32_gemv.block_weight(w), p, b, w.shape[0], w.shape[1])
     with torch.no_grad():
         lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
-        return ok(model.wte.weight, None), sum(ok(m.weight, m.bias) for m in lins)
+        return ok(model.wte.weight, None) and all(ok(m.weight, m.bias) for m in lins)
 
 
-def test_the_backend_routes_one_row_products_and_keeps_the_bits(built, monkeypatch):
+def test_the_backend_routes_every_fp32_product_through_the_native_kernels(built, monkeypatch):
+    """The head and every Linear, whatever order oneDNN sums in on this CPU; the same logits as
+    oneDNN's packed kernel (the GEMV off) bit for bit where it sums alike, within rounding elsewhere."""
     torch.manual_seed(0)
     model, _ = tiny_model()
     if not fp32_gemv.available():
         pytest.skip("no vector path on this CPU")
     fast, routed = _decode(model)
-    assert routed == _matching(model)  # every layer whose check passes, and only those
-    if routed == (False, 0):
-        pytest.skip("oneDNN's packed kernel sums in another order on this CPU: nothing to route")
+    assert routed == (True, sum(type(m) is torch.nn.Linear for m in model.modules()))
     monkeypatch.setattr(fp32_gemv, "available", lambda: False)  # the GEMV off; the GELU kernel stays (both runs)
     slow, (head, linears) = _decode(model)
     assert not head and linears == 0
-    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+    if _sums_like_packed(model):
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+    else:
+        for a, b in zip(fast, slow, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(built, monkeypatch):
-    """Several rows (a batched prefill, a ragged step) take `fp32_rows` in layers whose check passed,
-    the tied head included: the same logits as the packed kernel (the GEMV off) wherever that kernel is
-    batch-invariant, and the rows kernel really runs."""
+    """Several rows (a batched prefill, a ragged step) take `fp32_rows` in every layer, the tied head
+    included: the same logits as the packed kernel (the GEMV off) where that kernel sums alike and is
+    batch-invariant, within rounding elsewhere, and the rows kernel really runs."""
     torch.manual_seed(0)
     model, _ = tiny_model()
-    matching = _matching(model)
-    if not fp32_gemv.available() or matching == (False, 0):
-        pytest.skip("nothing routed on this CPU")
+    if not fp32_gemv.available():
+        pytest.skip("no vector path on this CPU")
     calls = []
     real = native_kernels.fp32_rows
     monkeypatch.setattr(native_kernels, "fp32_rows",
@@ -184,21 +183,39 @@ def test_the_backend_routes_prefills_and_ragged_steps_through_the_rows_kernel(bu
         vocab = be.vocab_size
     release_packed(model)
     assert calls and max(r for r, _ in calls) == 27  # 3 prompts x 9 tokens through the blocks
-    assert ((3, vocab) in calls) == matching[0]  # the last positions' logits through the head's blocks
+    assert (3, vocab) in calls  # the last positions' logits through the head's blocks
     monkeypatch.setattr(fp32_gemv, "available", lambda: False)  # the packed kernel; the same GELU kernel
     with TorchBackend(model) as be:
         slow = be.step(ids, torch.arange(9).expand(3, 9), None, be.new_cache(3, 16))
     release_packed(model)
-    from gf_testutil import assert_equal_if_invariant, packed_rows_invariant
+    from gptforge.generate.backend import packed_rows_invariant
 
-    assert_equal_if_invariant(fast, slow, packed_rows_invariant(model), tol=1e-5)
+    if _sums_like_packed(model) and not any(packed_rows_invariant(*m.weight.shape) for m in model.modules()
+                                            if type(m) is torch.nn.Linear):
+        assert torch.equal(fast, slow)
+    else:
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
-def test_a_failed_check_keeps_the_packed_kernel(built, monkeypatch):
+def test_every_product_the_backend_runs_is_batch_invariant_whatever_onednn_does(built):
+    """Each Linear of a GPT-2-shaped block (768 -> 2304 / 768 / 3072 -> 768, with biases) and the
+    tied head, as the open backend runs them: a row's output alone equals its row among several, bit
+    for bit, on every CPU with the native kernels. oneDNN's packed kernel alone differs there between
+    one row and several on AVX-512 Zen 5 (this test failed on such a CPU while the backend kept
+    oneDNN wherever its order differed from the GEMV's)."""
+    if not fp32_gemv.available():
+        pytest.skip("no vector path on this CPU")
     torch.manual_seed(0)
-    model, _ = tiny_model()
-    ref, _ = _decode(model)
-    monkeypatch.setattr(fp32_gemv, "matches_packed", lambda *a, **k: False)
-    out, (head, linears) = _decode(model)
-    assert not head and linears == 0
-    assert all(torch.equal(a, b) for a, b in zip(ref, out, strict=True))
+    model, _ = tiny_model("Model.hidden_size=768", "Model.num_layers=1", "Model.num_attention_heads=12",
+                          "Model.ffn_hidden_size=3072", "Model.vocab_size=1000")
+    g = torch.Generator().manual_seed(5)
+    with TorchBackend(model) as be, torch.inference_mode():
+        be.step(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], None, be.new_cache(1, 8))  # packs and routes
+        products = [(m.weight.shape[1], m) for m in model.modules() if type(m) is torch.nn.Linear]
+        products.append((768, lambda x: be.project(x)))
+        for k, f in products:
+            x = torch.nn.functional.gelu(torch.randn(7, k, generator=g))
+            alone = torch.cat([f(x[i:i + 1]) for i in range(7)])
+            assert torch.equal(f(x), alone), (k, float((f(x) - alone).abs().max()))
+            assert torch.equal(f(x[2:5]), alone[2:5]), k
+    release_packed(model)

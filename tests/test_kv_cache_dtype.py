@@ -139,7 +139,7 @@ def test_ragged_steps_are_bit_identical_to_decoding_alone(model, dtype):
     classic attention path; the native decode attention's own invariance: test_serve_slots.py)."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (1, 5, 33, 70)]
-    invariant = packed_rows_invariant(model)  # bit for bit where this CPU's oneDNN allows it
+    invariant = packed_rows_invariant(model)  # bit for bit with the native kernels, or where this CPU's oneDNN is invariant
     with TorchBackend(model, kv_cache_dtype=dtype) as be:
         served = _served(RaggedSlots(be, native=False), prompts, 0)
         assert served[0]["slot"].k[0].dtype == getattr(torch, dtype)

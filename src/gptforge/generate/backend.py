@@ -147,11 +147,9 @@ def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int, name: str 
     return packed
 
 
-def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                path: str) -> torch.Tensor | None:
-    """`weight` in the one-row GEMV's 64-output blocks (`transforms/fp32_gemv.py`), or None where
-    that GEMV does not reproduce the packed kernel's bits for this layer on this CPU (checked once,
-    then cached with the packed copy, like it)."""
+def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, path: str) -> torch.Tensor:
+    """`weight` in the native kernels' 64-output blocks (`transforms/fp32_gemv.py`), made once and
+    cached with the packed copy (the same stamp: a changed weight gets new blocks)."""
     entries = _PACKED.setdefault(module, {})
     base = entries.get("weight")  # the packed copy just validated for this weight: its reading of it serves
     if base is not None and base.tensor is packed and base.weight() is weight:
@@ -163,9 +161,6 @@ def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, b
         return entry.tensor
     entries.pop("gemv", None)
     wb = fp32_gemv.block_weight(weight)
-    n, k = weight.shape
-    if not fp32_gemv.matches_packed(wb, packed, bias, n, k, path):
-        wb = None  # never silently different bits: the packed kernel stays
     entries["gemv"] = _Packed(weakref.ref(weight), stamp, wb)
     return wb
 
@@ -177,20 +172,22 @@ def release_packed(model: nn.Module) -> None:
 
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, gemv=None) -> torch.Tensor:
-    """`gemv`: (64-output blocks, ISA path) where the layer's order check passed (`gemv_weight`),
+    """`gemv`: (64-output blocks, ISA path) where gptforge's native kernels run (`gemv_weight`),
     else None: then oneDNN's packed kernel."""
     if x.dtype == torch.float32 and not x.requires_grad:
         # Under autograd oneDNN's op takes another path (other bits): ours only where it was checked.
         if gemv is not None and not torch.is_grad_enabled():
-            return _checked_order(x, gemv, module.bias, module.out_features)
+            return _native_product(x, gemv, module.bias, module.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
 
 
-def _checked_order(x: torch.Tensor, gemv: tuple, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x · Wᵀ (+ bias) in the packed kernel's summation order: the GEMV for one row, else the same
-    chains for every row with the rows sharing each weight load (0.96-1.9x oneDNN's packed kernel on
-    the blocks' shapes at 1-128 rows on AMD EPYC, the same bits: results/2026-11-26-fp32-rows.md)."""
+def _native_product(x: torch.Tensor, gemv: tuple, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x · Wᵀ (+ bias), every output summed in the native kernels' one order (`fp32_gemv.py`): the
+    GEMV for one row, else the same chains for every row with the rows sharing each weight load, so
+    a row's bits never depend on the other rows (0.96-1.9x oneDNN's packed kernel on the blocks'
+    shapes at 1-128 rows on the AVX2 EPYC, results/2026-11-26-fp32-rows.md; 0.89-1.69x on AVX-512
+    Zen 5, results/2026-11-27-zen5-avx512.md)."""
     if x.numel() == x.shape[-1]:
         return native_kernels.fp32_gemv(x, gemv[0], bias, n, gemv[1])
     y = native_kernels.fp32_rows(x.reshape(-1, x.shape[-1]), gemv[0], bias, n, gemv[1])
@@ -207,12 +204,9 @@ def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.
     return F.linear(F.linear(x, pair.lora_A), pair.lora_B)
 
 
-def _gemv(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, bias, path: str | None) -> tuple | None:
-    """(blocks, path) of the GEMV / fp32_rows for a layer, or None: no native path, or not exact here."""
-    if path is None:
-        return None
-    wb = gemv_weight(module, weight, packed, bias, path)
-    return None if wb is None else (wb, path)
+def _gemv(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, path: str | None) -> tuple | None:
+    """(blocks, path) of the GEMV / fp32_rows for a layer, or None where no native path runs."""
+    return None if path is None else (gemv_weight(module, weight, packed, path), path)
 
 
 class TorchBackend:
@@ -228,9 +222,11 @@ class TorchBackend:
     number of rows (`PACKED_LAYOUT_ROWS`), which makes decoding batch-invariant (LoRA pairs'
     A and B are packed too, so adapters stay batch-invariant, also served several at once). The
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
-    while the weights are unchanged (`release_packed(model)` frees them). One-row products take
-    the native fp32 GEMV in the packed kernel's exact order where a per-layer check at pack time
-    finds the same bits (`gemv_weight`; its 64-output blocks are one more copy). Modules that
+    while the weights are unchanged (`release_packed(model)` frees them). Where gptforge's native
+    kernels run, the fp32 products of those Linears and the head take them instead at any row
+    count (`_native_product`; the 64-output blocks are one more copy): their one summation order
+    makes decoding batch-invariant on every such CPU, also where oneDNN's own kernel is not
+    (AVX-512 Zen 5: its 3072-input products differ between one row and several). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
     `use_cache=False` recomputes the whole sequence every step (a reference path).
     `kv_cache_dtype` (`Generation.kv_cache_dtype`: auto | float32 | bfloat16 | int8) is the dtype
@@ -301,13 +297,13 @@ class TorchBackend:
     def _pack(self, rows: int) -> None:
         """Route Linears, LoRA pairs and the head through weights packed for GEMMs of `rows` rows."""
         self._packed_rows = rows
-        path = native_kernels.isa() if fp32_gemv.available() else None  # one-row GEMV (issue #32)
+        path = native_kernels.isa() if fp32_gemv.available() else None  # the native GEMV / fp32_rows (issue #32)
         try:
             for mod in self.model.modules():
                 # Exact type: quantized or otherwise wrapped Linears keep their own forward.
                 if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
                     packed = packed_weight(mod, mod.weight, rows)
-                    g = _gemv(mod, mod.weight, packed, mod.bias, path)
+                    g = _gemv(mod, mod.weight, packed, path)
                     mod.forward = lambda x, _m=mod, _p=packed, _g=g: _packed_forward(_m, _p, x, _g)
                     self._linear_ops[mod] = (packed, g)
                     self._patched.append(mod)
@@ -318,7 +314,7 @@ class TorchBackend:
                     self._patched.append(mod)
             if type(self.model.wte) is nn.Embedding:
                 self._head = packed_weight(self.model.wte, self.model.wte.weight, rows)
-                self._head_gemv = _gemv(self.model.wte, self.model.wte.weight, self._head, None, path)
+                self._head_gemv = _gemv(self.model.wte, self.model.wte.weight, self._head, path)
         except RuntimeError:  # an unusual build or layout: the plain path is always correct
             self._unpack()
 

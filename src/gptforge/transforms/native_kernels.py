@@ -245,8 +245,9 @@ def gelu_forward(x: torch.Tensor) -> torch.Tensor:
 
 def fp32_gemv(x: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, n: int, path: str | None = None) -> torch.Tensor:
     """One fp32 row x (numel K, last dim K) times the weight in 64-output blocks `wb` ([ceil(n/64), K, 64],
-    `transforms/fp32_gemv.block_weight`), plus bias: x's shape with n outputs, summed in the batch-invariant
-    packed kernel's order (csrc/fp32_gemv.cpp). The caller has checked `unavailable()`."""
+    `transforms/fp32_gemv.block_weight`), plus bias: x's shape with n outputs, each summed in one fixed
+    order (csrc/fp32_gemv.cpp: oneDNN's packed kernel's on the AVX2 CPUs measured). The caller has checked
+    `unavailable()`."""
     return getattr(torch.ops, _LIB).fp32_gemv(wb, x.contiguous(), bias, n, ISA_CODES[path or isa()])
 
 
