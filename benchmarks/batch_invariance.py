@@ -1,6 +1,8 @@
 """Is oneDNN's packed fp32 Linear batch-invariant on this CPU? The decode backend's promise that a
 sequence's logits do not depend on what shares its batch (`gptforge serve` = `generate` bit for
-bit) rests on it. For GPT-2 124M's shapes, rows computed in batches of 1, 2, 3, 5, 8, 17, 64 and
+bit) rests on it where gptforge's native kernels do not run (`GPTFORGE_NATIVE_ISA=off`, no
+compiler); where they run, every fp32 product takes them, invariant by construction
+(tests/test_fp32_gemv.py). For GPT-2 124M's shapes, rows computed in batches of 1, 2, 3, 5, 8, 17, 64 and
 300 are compared with the same rows computed in pairs; prints the row counts that differ.
 
     python benchmarks/batch_invariance.py [--threads 1 2 4]
