@@ -147,19 +147,15 @@ def packed_weight(module: nn.Module, weight: torch.Tensor, rows: int, name: str 
     return packed
 
 
-def gemv_weight(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, path: str) -> torch.Tensor:
+def gemv_weight(module: nn.Module, weight: torch.Tensor, path: str) -> torch.Tensor:
     """`weight` in the native kernels' 64-output blocks (`transforms/fp32_gemv.py`), made once and
-    cached with the packed copy (the same stamp: a changed weight gets new blocks)."""
+    cached per module like the packed copies (a changed weight gets new blocks)."""
+    stamp = _stamp(weight, ("gemv", path))
     entries = _PACKED.setdefault(module, {})
-    base = entries.get("weight")  # the packed copy just validated for this weight: its reading of it serves
-    if base is not None and base.tensor is packed and base.weight() is weight:
-        stamp = (*base.stamp[:3], ("gemv", path))
-    else:
-        stamp = _stamp(weight, ("gemv", path))
     entry = entries.get("gemv")
     if entry is not None and entry.weight() is weight and entry.stamp == stamp:
         return entry.tensor
-    entries.pop("gemv", None)
+    entries.pop("gemv", None)  # free the stale copy before making the new one
     wb = fp32_gemv.block_weight(weight)
     entries["gemv"] = _Packed(weakref.ref(weight), stamp, wb)
     return wb
@@ -171,12 +167,12 @@ def release_packed(model: nn.Module) -> None:
         _PACKED.pop(mod, None)
 
 
-def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor, gemv=None) -> torch.Tensor:
-    """`gemv`: (64-output blocks, ISA path) where gptforge's native kernels run (`gemv_weight`),
-    else None: then oneDNN's packed kernel."""
-    if x.dtype == torch.float32 and not x.requires_grad:
-        # Under autograd oneDNN's op takes another path (other bits): ours only where it was checked.
-        if gemv is not None and not torch.is_grad_enabled():
+def _packed_forward(module: nn.Linear, packed: torch.Tensor | None, x: torch.Tensor, gemv=None) -> torch.Tensor:
+    """`gemv`: (64-output blocks, ISA path) where gptforge's native kernels run (`gemv_weight`; then
+    no oneDNN copy is made), else None and `packed`, oneDNN's packed copy. Under autograd and for
+    other dtypes, the module's own product."""
+    if x.dtype == torch.float32 and not x.requires_grad and not torch.is_grad_enabled():
+        if gemv is not None:
             return _native_product(x, gemv, module.bias, module.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
     return F.linear(x, module.weight, module.bias)
@@ -204,9 +200,9 @@ def _packed_low_rank(pair: LoraPair, a: torch.Tensor, b: torch.Tensor, x: torch.
     return F.linear(F.linear(x, pair.lora_A), pair.lora_B)
 
 
-def _gemv(module: nn.Module, weight: torch.Tensor, packed: torch.Tensor, path: str | None) -> tuple | None:
+def _gemv(module: nn.Module, weight: torch.Tensor, path: str | None) -> tuple | None:
     """(blocks, path) of the GEMV / fp32_rows for a layer, or None where no native path runs."""
-    return None if path is None else (gemv_weight(module, weight, packed, path), path)
+    return None if path is None else (gemv_weight(module, weight, path), path)
 
 
 class TorchBackend:
@@ -224,7 +220,7 @@ class TorchBackend:
     copies cost one extra set of Linear + embedding weights; they are kept for the next call
     while the weights are unchanged (`release_packed(model)` frees them). Where gptforge's native
     kernels run, the fp32 products of those Linears and the head take them instead at any row
-    count (`_native_product`; the 64-output blocks are one more copy): their one summation order
+    count (`_native_product`; their 64-output blocks replace the oneDNN copy): their one summation order
     makes decoding batch-invariant on every such CPU, also where oneDNN's own kernel is not
     (AVX-512 Zen 5: its 3072-input products differ between one row and several). Modules that
     quantization or other wrappers replaced are not `nn.Linear` and keep their own forward.
@@ -292,7 +288,7 @@ class TorchBackend:
     @property
     def packed_rows(self) -> int:
         """The row count the packed weights were laid out for; 0 when not packed."""
-        return self._packed_rows if self._head is not None or self._patched else 0
+        return self._packed_rows if self._head is not None or self._head_gemv is not None or self._patched else 0
 
     def _pack(self, rows: int) -> None:
         """Route Linears, LoRA pairs and the head through weights packed for GEMMs of `rows` rows."""
@@ -302,8 +298,8 @@ class TorchBackend:
             for mod in self.model.modules():
                 # Exact type: quantized or otherwise wrapped Linears keep their own forward.
                 if type(mod) is nn.Linear and "forward" not in mod.__dict__ and mod.weight.dtype == torch.float32:
-                    packed = packed_weight(mod, mod.weight, rows)
-                    g = _gemv(mod, mod.weight, packed, path)
+                    g = _gemv(mod, mod.weight, path)
+                    packed = None if g is not None else packed_weight(mod, mod.weight, rows)
                     mod.forward = lambda x, _m=mod, _p=packed, _g=g: _packed_forward(_m, _p, x, _g)
                     self._linear_ops[mod] = (packed, g)
                     self._patched.append(mod)
@@ -313,8 +309,9 @@ class TorchBackend:
                     mod.low_rank = lambda x, _m=mod, _a=a, _b=b: _packed_low_rank(_m, _a, _b, x)
                     self._patched.append(mod)
             if type(self.model.wte) is nn.Embedding:
-                self._head = packed_weight(self.model.wte, self.model.wte.weight, rows)
-                self._head_gemv = _gemv(self.model.wte, self.model.wte.weight, self._head, path)
+                self._head_gemv = _gemv(self.model.wte, self.model.wte.weight, path)
+                if self._head_gemv is None:
+                    self._head = packed_weight(self.model.wte, self.model.wte.weight, rows)
         except RuntimeError:  # an unusual build or layout: the plain path is always correct
             self._unpack()
 
