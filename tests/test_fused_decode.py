@@ -12,6 +12,8 @@ batch). LoRA, MoE, bf16 slots, two sequences, INT8 layers with per-call steps or
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
 import pytest
 import torch
@@ -154,6 +156,44 @@ def test_the_real_int8_model_on_the_native_kernel(built, monkeypatch, base, kv, 
         pytest.skip("gptforge's int8 kernel runs no vector path here")
     monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "native")
     _same_as_python(_int8(base, activation_preprocess_type=pact, pact_init=3.0), monkeypatch, kv=kv)
+
+
+def _plain_int8(base, monkeypatch):
+    """The real INT8 model with its layers on fbgemm's one-call `plain` path (VNNI's `auto`), and
+    whether gptforge's int8 kernel gives that path's bits for every layer (the fused step's check)."""
+    monkeypatch.setenv(cpu_kernels.KERNEL_ENV, "plain")
+    model = _int8(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # forcing plain where the probe finds it inexact warns once
+        same = [fused_step._native_gives_plains_bits(m) for m in model.modules() if type(m) is int8_mod.Int8Linear]
+    return model, all(same)
+
+
+def test_the_real_int8_model_on_fbgemm_plain_runs_fused_where_the_int8_kernel_gives_its_bits(built, monkeypatch, base):
+    """Where `auto` takes fbgemm's `plain` path (VNNI CPUs), the fused step runs the INT8 layers on
+    gptforge's int8 kernel when its check finds plain's bits there: the same logits as the Python step
+    (fbgemm) bit for bit; where the check fails, the Python step."""
+    if not int8_mod.native_ready() or not int8_mod.fast_kernel_available():
+        pytest.skip("gptforge's int8 kernel or fbgemm does not run here")
+    model, same = _plain_int8(base, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if same:
+            _same_as_python(model, monkeypatch)
+        else:
+            assert _decode(model)[1] == 0
+
+
+def test_int8_layers_on_plain_stay_in_python_where_the_int8_kernel_differs(built, monkeypatch, base):
+    if not int8_mod.native_ready() or not int8_mod.fast_kernel_available():
+        pytest.skip("gptforge's int8 kernel or fbgemm does not run here")
+    real = native_kernels.int8_rows
+    monkeypatch.setattr(native_kernels, "int8_rows", lambda *a, **k: real(*a, **k).nextafter(torch.tensor(math.inf)))
+    model, same = _plain_int8(base, monkeypatch)
+    assert not same  # one ulp off anywhere: the check fails
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _decode(model)[1] == 0
 
 
 def test_plain_linears_without_packing(built, monkeypatch, base):

@@ -34,7 +34,7 @@ from gptforge.model.gpt import BLOCK_LINEARS, GPT, Block, SelfAttention
 from gptforge.transforms import native_kernels
 from gptforge.transforms.cpu_kernels import KERNEL_ENV as INT8_KERNEL_ENV
 from gptforge.transforms.cpu_kernels import requested_choice
-from gptforge.transforms.int8 import Int8Linear, fast_kernel_available, kernel_path
+from gptforge.transforms.int8 import Int8Linear, fast_kernel_available, kernel_path, native_ready
 from gptforge.transforms.weight_only import KERNEL_ENV, WeightOnlyLinear
 
 FUSED_ENV = "GPTFORGE_FUSED_DECODE"
@@ -174,8 +174,31 @@ def _linear(mod: nn.Module, linear_ops: dict, isa: int) -> tuple | None:
         return (kind, mod.weight, scale, zero, mod.bias, getattr(mod, "act_scale", None), mod.out_features,
                 mod.bits, isa)
     if type(mod) is Int8Linear and "forward" not in mod.__dict__ and mod.static_act and _plain(mod.bias):
-        if not fast_kernel_available() or kernel_path(mod.kernel) != "native":
+        path = kernel_path(mod.kernel) if fast_kernel_available() else None
+        if path != "native" and not (path == "plain" and _native_gives_plains_bits(mod)):
             return None  # fbgemm's paths (or the dequantized fallback) stay in Python
         step, clip = mod.static_grid()  # as Int8Linear.forward quantizes its input
         return INT8, mod.panels(), mod.weight_scale, mod.bias, mod.out_features, step, clip, isa
     return None
+
+
+@torch.no_grad()
+def _native_gives_plains_bits(mod: Int8Linear) -> bool:
+    """Whether gptforge's int8 kernel gives fbgemm's one-call `plain` path's bits for this layer
+    (where plain is exact, VNNI CPUs, both round and scale alike): then the fused step may run it
+    while the Python step runs fbgemm. Checked on random rows over the layer's clip range, once per
+    weights' version."""
+    key = (mod.weight.data_ptr(), mod.weight._version, mod.weight_scale._version, mod.static_grid())
+    cached = mod.__dict__.get("_fused_plain_check")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    ok = native_ready()
+    if ok:
+        step, clip = mod.static_grid()
+        g = torch.Generator().manual_seed(mod.in_features * 7 + mod.out_features)
+        x = ((torch.rand(5, mod.in_features, generator=g) * 2 - 1) * clip).clamp(-clip, clip)
+        plain = mod._matmul_exact(x, step, mod.bias)
+        ok = torch.equal(native_kernels.int8_rows(x, mod.panels(), mod.weight_scale, mod.bias, step, mod.out_features),
+                         plain)
+    mod.__dict__["_fused_plain_check"] = (key, ok)
+    return ok
