@@ -15,8 +15,10 @@ It applies to plain GPT blocks (no MoE, no hooks, no wrapped or adapted Linears)
 run as the backend runs them for one fp32 row: its packed copies (`_linear_ops`: the one-row
 GEMV or oneDNN's packed kernel), plain `nn.Linear`, weight-only int8 / int4 / bf16 layers on
 the `native` / `native-q8a` kernels (their own `kernel_for` choice), or real INT8 layers with
-static activation steps on gptforge's `native` int8 kernel (`transforms/int8.kernel_path`).
-Anything else (LoRA, MoE, INT8 layers on fbgemm or with per-call steps, bf16 KV slots, prefill,
+static activation steps on gptforge's `native` int8 kernel (`transforms/int8.kernel_path`), also
+where that path is fbgemm's one-call `plain` (VNNI's `auto`) once a check per layer finds the
+int8 kernel giving plain's bits (`_native_gives_plains_bits`). Anything else (LoRA, MoE, INT8
+layers on fbgemm's other paths or with per-call steps, bf16 KV slots, prefill,
 several sequences, tensor parallel) keeps the Python path, as does `GPTFORGE_FUSED_DECODE=off`
 and any machine without the native kernels.
 """
