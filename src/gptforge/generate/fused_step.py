@@ -190,7 +190,8 @@ def _native_gives_plains_bits(mod: Int8Linear) -> bool:
     (where plain is exact, VNNI CPUs, both round and scale alike): then the fused step may run it
     while the Python step runs fbgemm. Checked on random rows over the layer's clip range, once per
     weights' version."""
-    key = (mod.weight.data_ptr(), mod.weight._version, mod.weight_scale._version, mod.static_grid())
+    key = (mod.weight.data_ptr(), mod.weight._version, mod.weight_scale._version, mod.static_grid(),
+           None if mod.bias is None else (mod.bias.data_ptr(), mod.bias._version))
     cached = mod.__dict__.get("_fused_plain_check")
     if cached is not None and cached[0] == key:
         return cached[1]
