@@ -56,6 +56,23 @@ def test_every_path_equals_the_dequantized_reference(built, path, bits, group, s
     _tolerance_check(y, x, lowbit.dequantize(q, s, z, group), b)
 
 
+@pytest.mark.parametrize("path", ["avx512", "scalar"])
+@pytest.mark.parametrize("group,sym", [(32, True), (64, False), (128, True)])
+def test_int4_rows_have_the_same_bits_in_any_batch(built, path, group, sym):
+    """On AVX-512 (each group's 16 dequantized values looked up, two sums per row at every batch
+    size) and on the scalar path, a row's int4 product does not depend on the rows beside it: one
+    row alone = the same row among 2..8, bit for bit (AVX2 sums one row in two halves, several in one)."""
+    skip_unless_runs(path, built)
+    n, k = 45, 384
+    w = torch.randn(n, k) * torch.rand(n, 1)
+    q, s, z = lowbit.quantize_rtn(w, 4, group, sym)
+    args = (lowbit.pack_int4(q), s, None if sym else z.to(torch.int8), torch.randn(n), 4, path)
+    x = torch.randn(8, k)
+    alone = torch.cat([native_kernels.weight_only_linear(x[i:i + 1], *args) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(native_kernels.weight_only_linear(x[:rows], *args), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("path", ISA_ORDER)
 @pytest.mark.parametrize("bits,group,q8a", [(8, 0, False), (4, 64, False), (8, 0, True), (4, 32, True)])
 @pytest.mark.parametrize("rows", [1, 2])

@@ -16,7 +16,9 @@
 //
 // int4: V bytes widened to 32-bit lanes give V low nibbles (even columns) and, shifted, V high
 // ones (odd columns); x is permuted once per call so that within each block of 2V columns of a
-// group the even columns come first and the odd ones after (V: the ISA's vector width).
+// group the even columns come first and the odd ones after (V: the ISA's vector width). On
+// AVX-512, groups of a multiple of 32 columns look each nibble's dequantized value up instead
+// (lut_block): x times dequantize()'s own values, a row's bits the same in any batch.
 //
 // ISA paths are compiled under their own target pragmas (never -march: a built library may
 // move to another CPU); the caller picks one with `isa` after asking `cpu_isa()`.
@@ -190,6 +192,64 @@ inline VF wbf(const uint8_t* w) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 #include "wo_exact_body.inc"
+
+// int4 with groups of whole steps of 32 columns: each group's 16 possible weights, (nibble -
+// offset) * scale, fill one vector that `_mm512_permutexvar_ps` looks each lane's low 4 bits up
+// in. A step is one byte widening, one shift, two lookups and the FMAs, with no group sums and no
+// offsets' share: the products are x times dequantize()'s own values. Two accumulators per row
+// (the low and the high nibbles) at every batch size, so a row's bits do not depend on its batch.
+// One row's 8 streams (R = 8) read DRAM at 1.4x the rate of 4 on the Zen 5 EPYC (issue #32).
+template <int M, int R>
+inline void lut_block(const Problem& p, int64_t n) {
+  const int64_t rb = p.K / 2, steps = p.g / 32;
+  const char* pf = reinterpret_cast<const char*>(p.w + (n + kPrefetchBlocks * R) * rb);
+  const char* pf_end = reinterpret_cast<const char*>(p.w + p.N * rb);
+  if (n + (kPrefetchBlocks + 1) * R <= p.N) {  // the scales of the block the weights prefetch for
+    const char* sp = reinterpret_cast<const char*>(p.scale + (n + kPrefetchBlocks * R) * p.G);
+    for (int64_t j = 0; j < R * p.G * 4; j += 64) _mm_prefetch(sp + j, _MM_HINT_T0);
+  }
+  const VF iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  VF lo_acc[R][M], hi_acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) lo_acc[r][m] = vzero(), hi_acc[r][m] = vzero();
+  const uint8_t* wp = p.w + n * rb;  // row 0's next bytes; row r's are rb further each
+  const float* xp = p.x;
+  for (int64_t gi = 0; gi < p.G; ++gi) {
+    VF lut[R];
+    for (int r = 0; r < R; ++r)
+      lut[r] = vmul(_mm512_sub_ps(iota, vset1(static_cast<float>(offset(p, n + r, gi)))), vset1(p.scale[(n + r) * p.G + gi]));
+    for (int64_t s = 0; s < steps; ++s, xp += 32, wp += 16, pf += R * 16) {
+      for (int j = 0; j < R * 16; j += 64)
+        if (pf + j < pf_end) _mm_prefetch(pf + j, _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + r * rb)));
+        const VF lo = _mm512_permutexvar_ps(v, lut[r]);
+        const VF hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[r]);
+        for (int m = 0; m < M; ++m) {
+          lo_acc[r][m] = vfma(vload(xp + m * p.K), lo, lo_acc[r][m]);
+          hi_acc[r][m] = vfma(vload(xp + m * p.K + 16), hi, hi_acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kMaxRows];
+    for (int m = 0; m < M; ++m) out[m] = vsum(vadd(lo_acc[r][m], hi_acc[r][m]));
+    finish_row(p, n + r, out);
+  }
+}
+
+template <int M>
+void rows_lut(const Problem& p, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators and lookups fit the 32 registers
+  // The blocks prefetch kPrefetchBlocks ahead: ask for the first ones (and the scales) now.
+  const char* first = reinterpret_cast<const char*>(p.w + n0 * (p.K / 2));
+  const char* first_end = reinterpret_cast<const char*>(p.w + std::min(n1, n0 + kPrefetchBlocks * R) * (p.K / 2));
+  for (; first < first_end; first += 64) _mm_prefetch(first, _MM_HINT_T0);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) lut_block<M, R>(p, n);
+  for (; n < n1; ++n) lut_block<M, 1>(p, n);
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -204,8 +264,14 @@ RowsFn pick_m(int64_t isa, int bits) {
   return &rows_scalar;
 }
 
-RowsFn pick(int64_t isa, int bits, int64_t M) {
-  return gptforge_wo::for_rows(M, [&](auto m) { return pick_m<decltype(m)::value>(isa, bits); });
+// AVX-512 int4 takes the lookups where every group is whole steps of 32 columns.
+bool lut_path(int64_t isa, int bits, int64_t g) { return isa == kAvx512 && bits == 4 && g % 32 == 0; }
+
+RowsFn pick(int64_t isa, int bits, int64_t M, int64_t g) {
+  return gptforge_wo::for_rows(M, [&](auto m) -> RowsFn {
+    constexpr int MM = decltype(m)::value;
+    return lut_path(isa, bits, g) ? &avx512::rows_lut<MM> : pick_m<MM>(isa, bits);
+  });
 }
 
 // int4: within each group, every whole block of 2V columns as [even columns, odd columns]
@@ -271,17 +337,18 @@ at::Tensor wo_linear(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t g = K / G;
   TORCH_CHECK(bits != 4 || g % 2 == 0, "int4 groups must have an even number of columns");
   Problem p{};
-  at::Tensor xs = bf16 ? at::Tensor() : group_sums(x, G);  // bf16: no offsets to fold out
+  const bool lut = lut_path(isa, static_cast<int>(bits), g);
+  at::Tensor xs = bf16 || lut ? at::Tensor() : group_sums(x, G);  // bf16, lookups: no offsets to fold out
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor xin = bits == 4 && isa != kScalar ? permute_x(x, g, isa == kAvx512 ? 16 : 8) : x;
   p.x = xin.data_ptr<float>();
-  p.xsum = bf16 ? nullptr : xs.data_ptr<float>();
+  p.xsum = xs.defined() ? xs.data_ptr<float>() : nullptr;
   p.w = static_cast<const uint8_t*>(w.data_ptr());
   p.scale = bf16 ? nullptr : scale->data_ptr<float>();
   gptforge_wo::optional_operands(zero, bias, bf16 ? c10::IntArrayRef() : scale->sizes(), N, &p.zero, &p.bias);
   p.y = y.data_ptr<float>();
   p.M = M, p.N = N, p.K = K, p.G = G, p.g = g, p.bits = static_cast<int>(bits);
-  const RowsFn fn = pick(isa, p.bits, M);
+  const RowsFn fn = pick(isa, p.bits, M, g);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K));  // ~16K weights per task
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(p, n0, n1); });
   return y;
