@@ -44,3 +44,28 @@ def recorded_device_here(raw: dict) -> tuple[dict, str | None]:
     if not (isinstance(dev, str) and dev.lower().startswith(("cuda", "gpu"))) or torch.cuda.is_available():
         return raw, None
     return {**raw, "Global": {k: v for k, v in glob.items() if k != "device"}}, dev
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep freed memory in the glibc heap instead of returning it to the OS (Linux only).
+
+    A CPU training step allocates and frees hundreds of MB (logits, softmax, gradients) every
+    step, a 64-row decode step tens of MB (fbgemm's buffers, logits); by default glibc serves
+    each large block with a fresh mmap, so every step pays page faults on first touch (~0.25 s
+    per 400 MB here, 10-15% of a training step; a 64-row INT8 decode step 60 -> 47 ms). `mallopt`
+    makes it reuse the heap instead, like the jemalloc/tcmalloc setups PyTorch recommends for CPU
+    work. The process's resident size then stays at its peak. The trainer and the decode backend
+    call it on CPU; `GPTFORGE_MALLOC_TUNING=0` turns it off.
+    """
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux") or os.environ.get("GPTFORGE_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+        return False

@@ -123,12 +123,10 @@ def calibrate(s: Settings, adapt_shape: bool = True) -> Steps:
     shape from LADDER (`Steps.shape`): wider on a fast machine, narrower on a slow or busy one."""
     import torch
 
-    from gptforge.device import select_device
+    from gptforge.device import select_device, tune_cpu_allocator
 
     dev = select_device(s.device)
     if dev.type == "cpu":
-        from gptforge.train.process import tune_cpu_allocator
-
         tune_cpu_allocator()  # as the trainer does: without it every step page-faults its buffers in
     timed = _step_timer(s, dev)
 

@@ -27,6 +27,7 @@ from torch import nn
 from gptforge.adapters.layers import LoraPair
 from gptforge.adapters.multi import router_of
 from gptforge.config.sampling import kv_cache_dtype_name
+from gptforge.device import tune_cpu_allocator
 from gptforge.errors import ConfigError
 from gptforge.generate import fused_step
 from gptforge.model.kv_cache import KV_DTYPES
@@ -262,6 +263,7 @@ class TorchBackend:
         self.model.eval()
         self._open = True
         if self.device.type == "cpu":
+            tune_cpu_allocator()  # else a many-row step page-faults its fresh buffers in every step
             native = native_kernels.unavailable() is None
             for mod in self.model.modules():
                 if isinstance(mod, WeightOnlyLinear):  # its kernels stream the weight itself (the head too)

@@ -45,7 +45,7 @@ from gptforge.train.metrics import (
 from gptforge.train.optim import LRSchedule, Scheduler, build_optimizer
 from gptforge.train.parallel import init_parallel
 from gptforge.train.precision import Precision
-from gptforge.train.process import seed_everything, tune_cpu_allocator
+from gptforge.train.process import seed_everything
 from gptforge.train.profile_window import ProfileWindow
 from gptforge.train.recompute import apply_recompute
 from gptforge.train.run_start import RunStart, plan_start
@@ -110,7 +110,7 @@ class Trainer(TrainerData, TrainerEval, TrainerSaving, TrainerReport, TrainerSyn
                  progress: bool | None = None, echo: bool = True, overwrite: bool = False,
                  verb: str = "pretrain", start: RunStart | None = None):
         from gptforge.config import check_train_shapes
-        from gptforge.device import select_device
+        from gptforge.device import select_device, tune_cpu_allocator
         from gptforge.run_lock import lock_dir
         from gptforge.train.trackers import check_trackers
 
