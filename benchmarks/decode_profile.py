@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py [--threads 1,2] [--batches 1,8]
     PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --time-only --rounds 5
+    PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --int8 --time-only --loops engine --batches 64
 
 Random weights of the 124M shape (GPT-2's vocabulary, padded to 50304 rows like a trained
 model). Two loops are measured, at every thread count and batch size asked for:
@@ -86,18 +87,21 @@ class EngineLoop:
 
 
 def matmul_only(model, backend, rows: int):
-    """One step's matrix products alone, through the packed weights the backend uses."""
-    from gptforge.generate.backend import _PACKED
+    """One step's matrix products alone, as the backend routes them (its patched Linears: the
+    native products or oneDNN's packed copies; the head's GEMV blocks or packed copy)."""
+    from gptforge.generate.backend import _native_product
 
-    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    packed = [(_PACKED[m]["weight"].tensor, m.bias, torch.randn(rows, m.in_features)) for m in lins]
-    head = backend._head
+    lins = [(m, torch.randn(rows, m.in_features)) for m in backend._linear_ops]
     h = torch.randn(rows, model.config.hidden_size)
+    vocab = model.wte.weight.shape[0]
 
     def run():
-        for w, b, x in packed:
-            torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        torch.ops.mkldnn._linear_pointwise(h, head, None, "none", [], "")
+        for m, x in lins:
+            m(x)
+        if backend._head_gemv is not None:
+            _native_product(h, backend._head_gemv, None, vocab)
+        else:
+            torch.ops.mkldnn._linear_pointwise(h, backend._head, None, "none", [], "")
     return run
 
 
@@ -135,11 +139,12 @@ def profile(fn, n: int, rows: int) -> None:
 def case(model, kind: str, batch: int, args) -> None:
     from gptforge.generate.backend import TorchBackend
 
-    with TorchBackend(model) as be:
+    with TorchBackend(model, kv_cache_dtype="int8" if args.int8 else "auto") as be:
         total = args.steps * (args.rounds + 2) + 8
         loop = StepLoop(be, total) if kind == "step" else EngineLoop(be, batch, total)
         step, step_cpu = median_ms(loop, args.steps)
-        mm, mm_cpu = median_ms(matmul_only(model, be, batch), args.steps)
+        # the real INT8 model has no packed fp32 Linears to time alone
+        mm, mm_cpu = (0.0, 0.0) if args.int8 else median_ms(matmul_only(model, be, batch), args.steps)
         print(f"{kind} batch {batch}, {torch.get_num_threads()} threads: wall {step:.2f} ms/step (matmuls alone "
               f"{mm:.2f}); calling thread's CPU {step_cpu:.2f} ms/step (matmuls alone {mm_cpu:.2f}, other "
               f"{step_cpu - mm_cpu:.2f} = {(step_cpu - mm_cpu) / step_cpu:.0%}); load {os.getloadavg()[0]:.2f}",
@@ -218,11 +223,15 @@ def main(argv=None) -> int:
                     "both trees' models and engines in this process and alternate their decode steps one by "
                     "one (the same weights; the ratio is this tree's time / the other's)")
     ap.add_argument("--compare-first", action="store_true", help="build the other tree first")
+    ap.add_argument("--int8", action="store_true", help="the real INT8 model (lowbit_decode.int8_model) with an int8 "
+                    "KV cache instead of the fp32 model (not with --compare)")
     args = ap.parse_args(argv)
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}")
     if args.compare:
+        if args.int8:
+            ap.error("--int8 runs without --compare (one tree per process)")
         for t in map(int, args.threads.split(",")):
             torch.set_num_threads(t)
             with torch.inference_mode():
@@ -231,6 +240,10 @@ def main(argv=None) -> int:
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
         return 0
     model = build()
+    if args.int8:
+        from lowbit_decode import int8_model
+
+        model = int8_model(model, 50257)
     cases = [(k, b) for k in args.loops.split(",") for b in ([1] if k == "step" else map(int, args.batches.split(",")))]
     for _ in range(args.rounds):
         for t in map(int, args.threads.split(",")):

@@ -2,7 +2,10 @@
 prompts at batch 64, the GPT-2 124M shape, random weights) with two checkouts, alternated, each
 in its own process.
 
-    .venv/bin/python benchmarks/engine_ab.py AFTER_ROOT BEFORE_ROOT [--pairs 3] [--threads 2]
+    .venv/bin/python benchmarks/engine_ab.py AFTER_ROOT BEFORE_ROOT [--pairs 3] [--threads 2] [--int8]
+
+`--int8`: the same weights as a real INT8 model (`lowbit_decode.int8_model`: `ptq` + `--convert`,
+int8 embedding / head) decoding with an int8 KV cache (the serving line of issue #32).
 
 Per run: output tokens/s (wall), the process's CPU milliseconds per token (all threads: less
 sensitive than wall time to other tenants of a shared host) and a hash of the generated ids (equal
@@ -22,7 +25,7 @@ import sys
 import time
 
 
-def one(root: str, threads: int) -> dict:
+def one(root: str, threads: int, int8: bool = False) -> dict:
     sys.path[:0] = [os.path.join(root, "src"), os.path.join(root, "benchmarks")]
     import torch
 
@@ -35,10 +38,15 @@ def one(root: str, threads: int) -> dict:
     cfg = load_config(overrides=["Model.preset=124M", "Model.vocab_size=50257", "Model.vocab_size_divisible_unit=1",
                                  "Model.hidden_dropout_prob=0", "Model.attention_probs_dropout_prob=0"])
     model = build_model(cfg.Model).eval()
+    kv = "auto"
+    if int8:
+        from lowbit_decode import int8_model
+
+        model, kv = int8_model(model, 50257), "int8"
     work = workload(64)
-    ours_batched(model, work[:4], 64)  # warm: packing, kernels
+    ours_batched(model, work[:4], 64, kv)  # warm: packing, kernels
     t, c = time.perf_counter(), time.process_time()
-    out = ours_batched(model, work, 64)
+    out = ours_batched(model, work, 64, kv)
     dt, dc = time.perf_counter() - t, time.process_time() - c
     toks = sum(len(o) for o in out)
     return {"tok_s": toks / dt, "cpu_ms_per_tok": dc / toks * 1e3, "tokens": toks,
@@ -51,10 +59,11 @@ def main() -> int:
     ap.add_argument("before", nargs="?")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8", action="store_true", help="the real INT8 model with an int8 KV cache")
     ap.add_argument("--one", metavar="ROOT", help="one measurement with this checkout (JSON on stdout)")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.threads)))
+        print(json.dumps(one(args.one, args.threads, args.int8)))
         return 0
     if not (args.after and args.before):
         ap.error("give AFTER_ROOT and BEFORE_ROOT")
@@ -62,7 +71,8 @@ def main() -> int:
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for _ in range(args.pairs):
         for name, root in (("after", args.after), ("before", args.before)):
-            res = subprocess.run([sys.executable, __file__, "--one", root, "--threads", str(args.threads)],
+            res = subprocess.run([sys.executable, __file__, "--one", root, "--threads", str(args.threads),
+                                  *(["--int8"] if args.int8 else [])],
                                  capture_output=True, text=True, check=True)
             r = json.loads(res.stdout.strip().splitlines()[-1])
             runs[name].append(r)

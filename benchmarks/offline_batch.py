@@ -34,14 +34,14 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randrange(50256) for _ in range(rng.randint(8, 96))], rng.randint(16, 64)) for _ in range(n)]
 
 
-def ours_batched(model, work, batch: int) -> list[list[int]]:
+def ours_batched(model, work, batch: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """The engine: every prompt submitted at once, up to `batch` decoding together (each with
     its own max_tokens, so the requests are those of one call per length; one engine)."""
     from gptforge.generate.backend import TorchBackend
     from gptforge.generate.engine import Request, SamplingParams
     from gptforge.generate.engine.offline import offline_engine
 
-    with TorchBackend(model) as be:
+    with TorchBackend(model, kv_cache_dtype=kv_cache_dtype) as be:
         core = offline_engine(be, eos_token_ids=[], vocab_limit=None, max_batch_size=batch)
         seqs = [core.add(Request([p], SamplingParams(max_tokens=n, temperature=0)), bounded=False)[0]
                 for p, n in work]
