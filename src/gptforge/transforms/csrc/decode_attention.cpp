@@ -72,84 +72,6 @@ void axpy_scalar_i8(float p, const int8_t* x, float* y, int64_t D) {
   for (int64_t d = 0; d < D; ++d) y[d] += p * static_cast<float>(x[d]);
 }
 
-// ---------------------------------------------------------------- AVX2 + FMA (D % 8 == 0)
-
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 load_i8x8(const int8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return hsum256(acc);
-}
-
-__attribute__((target("avx2,fma"))) float dot_avx2_i8(const float* a, const int8_t* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load_i8x8(b + d), acc);
-  return hsum256(acc);
-}
-
-__attribute__((target("avx2,fma"))) void axpy_avx2(float p, const float* x, float* y, int64_t D) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 8)
-    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
-}
-
-__attribute__((target("avx2,fma"))) void axpy_avx2_i8(float p, const int8_t* x, float* y, int64_t D) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 8)
-    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(pv, load_i8x8(x + d), _mm256_loadu_ps(y + d)));
-}
-
-// The same sums, several at once. A position's dot product or an output's weighted sum is a
-// chain of dependent FMAs: one chain at a time leaves the FMA units waiting on its latency.
-// These run four positions' dot products side by side (each formed exactly as dot_avx2 forms
-// it) and keep the weighted sum's D outputs in registers across positions (each updated
-// exactly as axpy_avx2 updates it, in position order), so the results are bit for bit those of
-// the one-at-a-time loops.
-// A key's 8 values as floats: stored float32, or int8 (its scale applied by the caller).
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) { return load_i8x8(p); }
-
-template <typename T>
-__attribute__((target("avx2,fma"))) void dot4_avx2(const float* q, const T* k, int64_t D, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, load8(k + d), a0);
-    a1 = _mm256_fmadd_ps(x, load8(k + D + d), a1);
-    a2 = _mm256_fmadd_ps(x, load8(k + 2 * D + d), a2);
-    a3 = _mm256_fmadd_ps(x, load8(k + 3 * D + d), a3);
-  }
-  out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
-}
-
-// out[0..D) = sum over t of w[t] * v[t] (v float32, or int8 times w already scaled), D == 8 * NV.
-template <int NV, bool I8>
-__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* w, const void* v, int64_t T, float* out) {
-  __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < T; ++t) {
-    const __m256 p = _mm256_set1_ps(w[t]);
-    for (int j = 0; j < NV; ++j) {
-      const __m256 x = I8 ? load_i8x8(static_cast<const int8_t*>(v) + (t * NV + j) * 8)
-                          : _mm256_loadu_ps(static_cast<const float*>(v) + (t * NV + j) * 8);
-      acc[j] = _mm256_fmadd_ps(p, x, acc[j]);
-    }
-  }
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
-}
-
 using WeightedSum = void (*)(const float*, const void*, int64_t, float*);
 
 struct Ops {
@@ -164,69 +86,56 @@ struct Ops {
   void (*quantize)(const float*, int64_t, int8_t*, float*) = quantize_row;  // the int8 write
 };
 
-Ops avx2_ops(int64_t D) {
-  Ops o{dot_avx2, dot_avx2_i8, axpy_avx2, axpy_avx2_i8, dot4_avx2<float>, dot4_avx2<int8_t>};
-  if (D == 32) o.wsum = weighted_sum_avx2<4, false>, o.wsum_i8 = weighted_sum_avx2<4, true>;
-  if (D == 64) o.wsum = weighted_sum_avx2<8, false>, o.wsum_i8 = weighted_sum_avx2<8, true>;
-  if (D == 128) o.wsum = weighted_sum_avx2<16, false>, o.wsum_i8 = weighted_sum_avx2<16, true>;
-  return o;
+// ---------------------------------------------------------------- AVX2 + FMA (D % 8 == 0)
+// Each ISA's vector primitives, then the shared loops (attention_body.inc) compiled for it.
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+constexpr int W = 8;
+using VF = __m256;
+inline VF vzero() { return _mm256_setzero_ps(); }
+inline VF vset1(float a) { return _mm256_set1_ps(a); }
+inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VF vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline float vsum(VF v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+#include "attention_body.inc"
+}  // namespace avx2
+#pragma GCC pop_options
 
 // ---------------------------------------------------------------- AVX-512F (D % 16 == 0)
 // The same loops on 16 lanes: an int8 key or value's conversion, the step that bounds the int8
 // cache's attention, is one widening and one convert per 16 values instead of per 8.
 
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+constexpr int W = 16;
+using VF = __m512;
+inline VF vzero() { return _mm512_setzero_ps(); }
+inline VF vset1(float a) { return _mm512_set1_ps(a); }
+inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VF vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-
-template <typename T>
-__attribute__((target("avx512f"))) float dot_avx512(const float* a, const T* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), load16(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-template <typename T>
-__attribute__((target("avx512f"))) void axpy_avx512(float p, const T* x, float* y, int64_t D) {
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 16)
-    _mm512_storeu_ps(y + d, _mm512_fmadd_ps(pv, load16(x + d), _mm512_loadu_ps(y + d)));
-}
-
-template <typename T>
-__attribute__((target("avx512f"))) void dot4_avx512(const float* q, const T* k, int64_t D, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 x = _mm512_loadu_ps(q + d);
-    a0 = _mm512_fmadd_ps(x, load16(k + d), a0);
-    a1 = _mm512_fmadd_ps(x, load16(k + D + d), a1);
-    a2 = _mm512_fmadd_ps(x, load16(k + 2 * D + d), a2);
-    a3 = _mm512_fmadd_ps(x, load16(k + 3 * D + d), a3);
-  }
-  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
-}
-
-template <int NV, bool I8>
-__attribute__((target("avx512f"))) void weighted_sum_avx512(const float* w, const void* v, int64_t T, float* out) {
-  __m512 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < T; ++t) {
-    const __m512 p = _mm512_set1_ps(w[t]);
-    for (int j = 0; j < NV; ++j) {
-      const __m512 x = I8 ? load16(static_cast<const int8_t*>(v) + (t * NV + j) * 16)
-                          : _mm512_loadu_ps(static_cast<const float*>(v) + (t * NV + j) * 16);
-      acc[j] = _mm512_fmadd_ps(p, x, acc[j]);
-    }
-  }
-  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
-}
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
+#include "attention_body.inc"
 
 // quantize_row's bytes and scale on 16 lanes (max is exact in any order; the division and the
 // rounding, half to even, are IEEE's on both).
-__attribute__((target("avx512f"))) void quantize_row_avx512(const float* x, int64_t D, int8_t* q, float* scale) {
+void quantize_row(const float* x, int64_t D, int8_t* q, float* scale) {
   __m512 m = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
   const float amax = _mm512_reduce_max_ps(m);
@@ -240,16 +149,8 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(const float* x, int6
   }
   *scale = s;
 }
-
-Ops avx512_ops(int64_t D) {
-  Ops o{dot_avx512<float>, dot_avx512<int8_t>, axpy_avx512<float>, axpy_avx512<int8_t>, dot4_avx512<float>,
-        dot4_avx512<int8_t>};
-  o.quantize = quantize_row_avx512;
-  if (D == 32) o.wsum = weighted_sum_avx512<2, false>, o.wsum_i8 = weighted_sum_avx512<2, true>;
-  if (D == 64) o.wsum = weighted_sum_avx512<4, false>, o.wsum_i8 = weighted_sum_avx512<4, true>;
-  if (D == 128) o.wsum = weighted_sum_avx512<8, false>, o.wsum_i8 = weighted_sum_avx512<8, true>;
-  return o;
-}
+}  // namespace avx512
+#pragma GCC pop_options
 
 // One (sequence, head): write the new key/value at `start`, then softmax(q.k / sqrt(d)).v over
 // positions 0..start. `scores` is the task's scratch buffer.
@@ -266,7 +167,7 @@ void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* 
   scores.resize(T);
   float m = -INFINITY;
   int64_t t = 0;
-  if (ops.dot4) {  // the same dot products, four at a time (see dot4_avx2)
+  if (ops.dot4) {  // the same dot products, four at a time (attention_body.inc)
     for (; t + 4 <= T; t += 4) {
       float x[4];
       if (s.k) ops.dot4(q, s.k + (base + t) * D, D, x);
@@ -345,7 +246,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool vec = isa > 0 && D % 8 == 0, wide = isa >= gptforge_wo::kAvx512 && D % 16 == 0;
   TORCH_CHECK(!vec || gptforge_wo::cpu_has(wide ? gptforge_wo::kAvx512 : gptforge_wo::kAvx2),
               "this CPU cannot run the ", wide ? "AVX-512" : "AVX2", " path");
-  const Ops ops = wide ? avx512_ops(D) : vec ? avx2_ops(D) : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
+  Ops ops = wide ? avx512::ops(D) : vec ? avx2::ops(D) : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
+  if (wide) ops.quantize = avx512::quantize_row;
   at::Tensor out = at::empty({R, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
