@@ -92,23 +92,7 @@ struct Ops {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-constexpr int W = 8;
-using VF = __m256;
-inline VF vzero() { return _mm256_setzero_ps(); }
-inline VF vset1(float a) { return _mm256_set1_ps(a); }
-inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
-inline VF vload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
-inline float vsum(VF v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+#include "simd_avx2.inc"
 #include "attention_body.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -120,17 +104,7 @@ inline float vsum(VF v) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
 namespace avx512 {
-constexpr int W = 16;
-using VF = __m512;
-inline VF vzero() { return _mm512_setzero_ps(); }
-inline VF vset1(float a) { return _mm512_set1_ps(a); }
-inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
-inline VF vload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
-inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
+#include "simd_avx512.inc"
 #include "attention_body.inc"
 
 // quantize_row's bytes and scale on 16 lanes (max is exact in any order; the division and the

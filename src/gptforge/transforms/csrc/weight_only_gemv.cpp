@@ -133,23 +133,8 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-constexpr int W = 8;
-using VF = __m256;
-inline VF vzero() { return _mm256_setzero_ps(); }
-inline VF vset1(float a) { return _mm256_set1_ps(a); }
-inline VF vload(const float* x) { return _mm256_loadu_ps(x); }
-inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
-inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline float vsum(VF v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline VF wi8(const uint8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
+#include "simd_avx2.inc"
+inline VF wi8(const uint8_t* w) { return vload(reinterpret_cast<const int8_t*>(w)); }
 // 8 bytes = 16 nibbles: the low ones (even columns) and the high ones (odd columns) as floats.
 inline void wi4(const uint8_t* w, VF* lo, VF* hi) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
@@ -170,18 +155,8 @@ inline VF wbf(const uint8_t* w) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
 namespace avx512 {
-constexpr int W = 16;
-using VF = __m512;
-inline VF vzero() { return _mm512_setzero_ps(); }
-inline VF vset1(float a) { return _mm512_set1_ps(a); }
-inline VF vload(const float* x) { return _mm512_loadu_ps(x); }
-inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
-inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
-inline VF wi8(const uint8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
+#include "simd_avx512.inc"
+inline VF wi8(const uint8_t* w) { return vload(reinterpret_cast<const int8_t*>(w)); }
 inline void wi4(const uint8_t* w, VF* lo, VF* hi) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
