@@ -114,6 +114,26 @@ def test_int8_read_matches_dequantized_slot(built):
         torch.testing.assert_close(y[r].double(), (w[:, :, None] * vd[0].double()).sum(1), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_int8_writes_of_non_finite_values_are_the_scalar_paths_bytes(built, path):
+    """A key or value with NaN or infinite entries (a diverged model) is stored with the scalar
+    path's bytes and scale on the vector paths too (their max and clamp keep std::max's NaN rule)."""
+    skip_unless_runs(path, built)
+    starts, heads, dim = [2], 4, 64
+    k, v = torch.randn(1, heads, dim), torch.randn(1, heads, dim)
+    k[0, 0, 5], k[0, 1, 9], k[0, 2, 0] = float("nan"), float("inf"), -float("inf")
+    v[0, 3, 63], v[0, 1, :] = float("nan"), float("inf")
+    q = torch.randn(1, heads, dim)
+    stored = []
+    for p in ("scalar", path):
+        slots = _slots(starts, heads, dim, torch.int8)
+        native_kernels.decode_attention(q, k, v, slots, 0, starts, path=p)
+        s = slots[0]
+        stored.append([t[0][:, :, 2].clone() for t in (s.k, s.v, s.k_scale, s.v_scale)])
+    for a, b in zip(*stored, strict=True):
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
 def test_rejects_bad_operands(built):
     slots = _slots([3], 2, 64, torch.float32)
     q = torch.randn(1, 2, 64)

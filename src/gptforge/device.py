@@ -1,4 +1,5 @@
-"""Device choice (`Global.device`), shared by every stage that runs a model.
+"""Device choice (`Global.device`), shared by every stage that runs a model, and the CPU
+allocator's tuning the trainer and the decode backend share.
 
 It lives below the stages and the CLI so that train/, compress/, evaluate/ and demo/ never reach
 up into `gptforge.commands` for it.
@@ -52,7 +53,7 @@ def tune_cpu_allocator() -> bool:
     A CPU training step allocates and frees hundreds of MB (logits, softmax, gradients) every
     step, a 64-row decode step tens of MB (fbgemm's buffers, logits); by default glibc serves
     each large block with a fresh mmap, so every step pays page faults on first touch (~0.25 s
-    per 400 MB here, 10-15% of a training step; a 64-row INT8 decode step 60 -> 47 ms). `mallopt`
+    per 400 MB here, 10-15% of a training step; a 64-row INT8 decode step 50-59 -> 44-46 ms). `mallopt`
     makes it reuse the heap instead, like the jemalloc/tcmalloc setups PyTorch recommends for CPU
     work. The process's resident size then stays at its peak. The trainer and the decode backend
     call it on CPU; `GPTFORGE_MALLOC_TUNING=0` turns it off.

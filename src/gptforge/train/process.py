@@ -1,4 +1,5 @@
-"""Process-wide settings a training run makes once: seeds (the CPU allocator's: `device.tune_cpu_allocator`)."""
+"""Process-wide settings a training run makes once: seeds. (The CPU allocator's tuning, which the
+decode backend shares, is `device.tune_cpu_allocator`.)"""
 
 from __future__ import annotations
 

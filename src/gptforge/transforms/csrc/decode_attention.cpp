@@ -108,10 +108,11 @@ namespace avx512 {
 #include "attention_body.inc"
 
 // quantize_row's bytes and scale on 16 lanes (max is exact in any order; the division and the
-// rounding, half to even, are IEEE's on both).
+// rounding, half to even, are IEEE's on both). The operands of max keep std::max's NaN rule (a NaN
+// value is skipped by the max and stored as -127), so non-finite rows store the same bytes too.
 void quantize_row(const float* x, int64_t D, int8_t* q, float* scale) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+  for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + d)), m);
   const float amax = _mm512_reduce_max_ps(m);
   const float s = amax / 127.f;
   const __m512 safe = _mm512_set1_ps(s > 0.f ? s : 1.f), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
@@ -119,7 +120,7 @@ void quantize_row(const float* x, int64_t D, int8_t* q, float* scale) {
     const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + d), safe),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d),
-                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)))));
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(r, lo)))));
   }
   *scale = s;
 }

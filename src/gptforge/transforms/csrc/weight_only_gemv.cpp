@@ -217,7 +217,7 @@ inline void lut_block(const Problem& p, int64_t n) {
 template <int M>
 void rows_lut(const Problem& p, int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators and lookups fit the 32 registers
-  // The blocks prefetch kPrefetchBlocks ahead: ask for the first ones (and the scales) now.
+  // The blocks prefetch kPrefetchBlocks ahead (weights and scales): ask for the first blocks' weights now.
   const char* first = reinterpret_cast<const char*>(p.w + n0 * (p.K / 2));
   const char* first_end = reinterpret_cast<const char*>(p.w + std::min(n1, n0 + kPrefetchBlocks * R) * (p.K / 2));
   for (; first < first_end; first += 64) _mm_prefetch(first, _MM_HINT_T0);
