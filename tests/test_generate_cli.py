@@ -79,6 +79,13 @@ def test_errors_are_one_line(ckpt, run_cli, extra, match):
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_mistyped_allocator_switch_is_one_line(ckpt, run_cli, monkeypatch):
+    """GPTFORGE_MALLOC_TUNING takes 0 or 1: `off` would otherwise be read as on, silently."""
+    monkeypatch.setenv("GPTFORGE_MALLOC_TUNING", "off")
+    code, _, err = run_cli("generate", "--ckpt", ckpt, "--prompt", "x", *GREEDY)
+    assert code == 2 and "GPTFORGE_MALLOC_TUNING='off'" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_blank_prompt_line_and_missing_ckpt(ckpt, tmp_path, run_cli):
     (tmp_path / "p.txt").write_text("one\n\nthree\n", encoding="utf-8")
     code, _, err = run_cli("generate", "--ckpt", ckpt, "--prompt-file", tmp_path / "p.txt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gptforge.errors import ConfigError
+from gptforge.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -47,6 +47,9 @@ def recorded_device_here(raw: dict) -> tuple[dict, str | None]:
     return {**raw, "Global": {k: v for k, v in glob.items() if k != "device"}}, dev
 
 
+MALLOC_ENV = "GPTFORGE_MALLOC_TUNING"
+
+
 def tune_cpu_allocator() -> bool:
     """Keep freed memory in the glibc heap instead of returning it to the OS (Linux only).
 
@@ -56,13 +59,17 @@ def tune_cpu_allocator() -> bool:
     per 400 MB here, 10-15% of a training step; a 64-row INT8 decode step 50-59 -> 44-46 ms). `mallopt`
     makes it reuse the heap instead, like the jemalloc/tcmalloc setups PyTorch recommends for CPU
     work. The process's resident size then stays at its peak. The trainer and the decode backend
-    call it on CPU; `GPTFORGE_MALLOC_TUNING=0` turns it off.
+    call it on CPU; `GPTFORGE_MALLOC_TUNING=0` turns it off (any value but 0 or 1: UsageError).
     """
     import ctypes
     import os
     import sys
 
-    if not sys.platform.startswith("linux") or os.environ.get("GPTFORGE_MALLOC_TUNING", "1") == "0":
+    val = os.environ.get(MALLOC_ENV, "").strip() or "1"
+    if val not in ("0", "1"):
+        raise UsageError(f"environment variable {MALLOC_ENV}={val!r}: choose 1 (keep freed memory in the heap, "
+                         "the default) or 0 (glibc's defaults), or unset it")
+    if not sys.platform.startswith("linux") or val == "0":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
