@@ -17,13 +17,14 @@ from gptforge.transforms import native_kernels
 PATHS = ("scalar", "avx2", "avx512")
 
 
-def _slots(starts, heads, dim, dtype, seed=0):
+def _slots(starts, heads, dim, dtype, seed=0, key_scale=2.0):
     g = torch.Generator().manual_seed(seed)
     slots = []
     for n in starts:
         s = SeqSlot([heads, heads], max(starts) + 3, dim, dtype, "cpu")
         for layer in range(2):
-            s.write(layer, 0, torch.randn(1, heads, n, dim, generator=g) * 2, torch.randn(1, heads, n, dim, generator=g))
+            s.write(layer, 0, torch.randn(1, heads, n, dim, generator=g) * key_scale,
+                    torch.randn(1, heads, n, dim, generator=g))
         s.length = n
         slots.append(s)
     return slots
@@ -53,6 +54,24 @@ def test_matches_reference_and_stores_like_kvcache(built, path, dtype, dim):
                 assert torch.equal(x[1][:, :, :n + 1], z[1][:, :, :n + 1])
         assert torch.equal(a.k[0][:, :, :n], b.k[0][:, :, :n])  # the other layer untouched
         torch.testing.assert_close(y[r].double(), _reference(b, 1, q[r], n + 1), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_long_contexts_and_peaked_scores_match_reference(built, path, dtype):
+    """The softmax's vector passes and their one-by-one rest (exp_poly.h's exponential): contexts of
+    every length mod 16 up to 300 positions, keys large enough that most weights underflow."""
+    skip_unless_runs(path, built)
+    starts, heads, dim = [15, 16, 17, 130, 255, 299], 2, 64
+    for key_scale in (1.0, 12.0):
+        ours = _slots(starts, heads, dim, dtype, key_scale=key_scale)
+        ref_slots = _slots(starts, heads, dim, dtype, key_scale=key_scale)
+        q, k, v = (torch.randn(len(starts), heads, dim) * key_scale for _ in range(3))
+        y = native_kernels.decode_attention(q, k, v, ours, 1, starts, path=path)
+        for r, (b, n) in enumerate(zip(ref_slots, starts, strict=True)):
+            b.write(1, n, k[r][None, :, None], v[r][None, :, None])
+            ref = _reference(b, 1, q[r], n + 1)
+            torch.testing.assert_close(y[r].double(), ref, rtol=2e-6, atol=2e-6 * key_scale)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "exp_poly.h"
 #include "kernels.h"
 
 namespace {
@@ -72,6 +73,29 @@ void axpy_scalar_i8(float p, const int8_t* x, float* y, int64_t D) {
   for (int64_t d = 0; d < D; ++d) y[d] += p * static_cast<float>(x[d]);
 }
 
+// How far ahead of the dot products the keys are prefetched, in bytes. A task reads its head's
+// positions once, from DRAM in a serving step (64 sequences' caches are far larger than L3), and a
+// head's 150 int8 positions are too short a stream for the hardware prefetcher to get ahead of:
+// without this the int8 cache's attention ran at ~11 GB/s, compute-bound speed only when in L3.
+// The values are prefetched beside the keys, for the weighted sum after the softmax.
+constexpr int64_t kAhead = 4096;
+
+float scale_max_scalar(float* s, const float* ks, float scale, int64_t T) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) m = std::max(m, s[t] = ks ? s[t] * ks[t] * scale : s[t] * scale);
+  return m;
+}
+
+float exp_sum_scalar(float* s, float m, int64_t T) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < T; ++t) sum += (s[t] = gptforge_wo::exp_poly(s[t] - m));
+  return sum;
+}
+
+void normalize_scalar(float* s, const float* vs, float inv, int64_t T) {
+  for (int64_t t = 0; t < T; ++t) s[t] = vs ? s[t] * inv * vs[t] : s[t] * inv;
+}
+
 using WeightedSum = void (*)(const float*, const void*, int64_t, float*);
 
 struct Ops {
@@ -79,6 +103,9 @@ struct Ops {
   float (*dot_i8)(const float*, const int8_t*, int64_t);
   void (*axpy)(float, const float*, float*, int64_t);
   void (*axpy_i8)(float, const int8_t*, float*, int64_t);
+  float (*scale_max)(float*, const float*, float, int64_t);  // the softmax's passes (attention_body.inc)
+  float (*exp_sum)(float*, float, int64_t);
+  void (*normalize)(float*, const float*, float, int64_t);
   void (*dot4)(const float*, const float*, int64_t, float*) = nullptr;  // null: one position at a time
   void (*dot4_i8)(const float*, const int8_t*, int64_t, float*) = nullptr;
   WeightedSum wsum = nullptr;  // for this D (null: axpy per position)
@@ -140,38 +167,35 @@ void one_head(const Ops& ops, const Slot& s, int64_t h, int64_t D, const float* 
     ops.quantize(vn, D, s.vq + (base + s.start) * D, s.vs + base + s.start);
   }
   scores.resize(T);
-  float m = -INFINITY;
+  float* sc = scores.data();
   int64_t t = 0;
+  const int64_t row = D * (s.k ? 4 : 1);  // bytes per position
+  const char* kb = s.k ? reinterpret_cast<const char*>(s.k + base * D) : reinterpret_cast<const char*>(s.kq + base * D);
+  const char* vb = s.v ? reinterpret_cast<const char*>(s.v + base * D) : reinterpret_cast<const char*>(s.vq + base * D);
+  const int64_t kend = T * row;
+  for (int64_t b = 0; b < std::min(kend, kAhead); b += 64) _mm_prefetch(kb + b, _MM_HINT_T0);
   if (ops.dot4) {  // the same dot products, four at a time (attention_body.inc)
     for (; t + 4 <= T; t += 4) {
-      float x[4];
-      if (s.k) ops.dot4(q, s.k + (base + t) * D, D, x);
-      else ops.dot4_i8(q, s.kq + (base + t) * D, D, x);
-      for (int j = 0; j < 4; ++j) {
-        scores[t + j] = (s.k ? x[j] : x[j] * s.ks[base + t + j]) * scale;
-        m = std::max(m, scores[t + j]);
+      for (int64_t b = t * row; b < (t + 4) * row; b += 64) {
+        if (b + kAhead < kend) _mm_prefetch(kb + b + kAhead, _MM_HINT_T0);
+        _mm_prefetch(vb + b, _MM_HINT_T0);
       }
+      if (s.k) ops.dot4(q, s.k + (base + t) * D, D, sc + t);
+      else ops.dot4_i8(q, s.kq + (base + t) * D, D, sc + t);
     }
   }
-  for (; t < T; ++t) {
-    const float x = s.k ? ops.dot(q, s.k + (base + t) * D, D)
-                        : ops.dot_i8(q, s.kq + (base + t) * D, D) * s.ks[base + t];
-    scores[t] = x * scale;
-    m = std::max(m, scores[t]);
-  }
-  float sum = 0.f;
-  for (int64_t t = 0; t < T; ++t) sum += (scores[t] = std::exp(scores[t] - m));
-  const float inv = 1.f / sum;
-  if (s.v ? ops.wsum != nullptr : ops.wsum_i8 != nullptr) {  // the same weighted sum, outputs in registers
-    for (int64_t t = 0; t < T; ++t) scores[t] = s.v ? scores[t] * inv : scores[t] * inv * s.vs[base + t];
-    if (s.v) ops.wsum(scores.data(), s.v + base * D, T, out);
-    else ops.wsum_i8(scores.data(), s.vq + base * D, T, out);
+  for (; t < T; ++t) sc[t] = s.k ? ops.dot(q, s.k + (base + t) * D, D) : ops.dot_i8(q, s.kq + (base + t) * D, D);
+  const float m = ops.scale_max(sc, s.k ? nullptr : s.ks + base, scale, T);
+  ops.normalize(sc, s.v ? nullptr : s.vs + base, 1.f / ops.exp_sum(sc, m, T), T);  // weights (int8: times value scales)
+  if (s.v ? ops.wsum != nullptr : ops.wsum_i8 != nullptr) {  // outputs in registers (attention_body.inc)
+    if (s.v) ops.wsum(sc, s.v + base * D, T, out);
+    else ops.wsum_i8(sc, s.vq + base * D, T, out);
     return;
   }
   std::fill(out, out + D, 0.f);
-  for (int64_t t = 0; t < T; ++t) {
-    if (s.v) ops.axpy(scores[t] * inv, s.v + (base + t) * D, out, D);
-    else ops.axpy_i8(scores[t] * inv * s.vs[base + t], s.vq + (base + t) * D, out, D);
+  for (t = 0; t < T; ++t) {
+    if (s.v) ops.axpy(sc[t], s.v + (base + t) * D, out, D);
+    else ops.axpy_i8(sc[t], s.vq + (base + t) * D, out, D);
   }
 }
 
@@ -221,7 +245,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool vec = isa > 0 && D % 8 == 0, wide = isa >= gptforge_wo::kAvx512 && D % 16 == 0;
   TORCH_CHECK(!vec || gptforge_wo::cpu_has(wide ? gptforge_wo::kAvx512 : gptforge_wo::kAvx2),
               "this CPU cannot run the ", wide ? "AVX-512" : "AVX2", " path");
-  Ops ops = wide ? avx512::ops(D) : vec ? avx2::ops(D) : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8};
+  Ops ops = wide ? avx512::ops(D) : vec ? avx2::ops(D) : Ops{dot_scalar, dot_scalar_i8, axpy_scalar, axpy_scalar_i8, scale_max_scalar, exp_sum_scalar,
+                                                      normalize_scalar};
   if (wide) ops.quantize = avx512::quantize_row;
   at::Tensor out = at::empty({R, H, D}, q.options());
   const float* qp = q.data_ptr<float>();

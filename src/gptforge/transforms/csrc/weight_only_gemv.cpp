@@ -31,6 +31,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa.h"
+#include "exp_poly.h"
 #include "kernels.h"
 #include "weight_operands.h"
 
