@@ -75,6 +75,21 @@ def test_long_contexts_and_peaked_scores_match_reference(built, path, dtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_nan_key_makes_its_head_nan_as_in_the_reference(built, path):
+    """A NaN among a head's keys (a diverged model's fp32 cache) reaches that head's output, at a
+    position the vector passes take and at one of the rest, never turned into a weight of ~0."""
+    skip_unless_runs(path, built)
+    starts, heads, dim = [20, 20], 2, 64
+    slots = _slots(starts, heads, dim, torch.float32)
+    slots[0].k[0][0, 0, 3, 7] = float("nan")  # row 0, head 0: among the first 16 positions
+    slots[1].k[0][0, 1, 18, 0] = float("nan")  # row 1, head 1: past them
+    q, k, v = (torch.randn(len(starts), heads, dim) for _ in range(3))
+    y = native_kernels.decode_attention(q, k, v, slots, 0, starts, path=path)
+    assert torch.isnan(y[0, 0]).all() and torch.isnan(y[1, 1]).all()
+    assert torch.isfinite(y[0, 1]).all() and torch.isfinite(y[1, 0]).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_invariant_to_threads_and_company(built, path):
     skip_unless_runs(path, built)
     starts, heads, dim = [5, 33, 2, 17, 64, 9, 1, 30], 4, 64

@@ -2,7 +2,7 @@
 // polynomial of e^r on |r| <= ln2/2 (truncation error < 1e-8 relative), its input clamped to
 // [-87, 88] so 2^n stays a normal float. The vector forms (simd_avx2.inc / simd_avx512.inc, `vexp`)
 // run the same operations per lane (fused multiply-adds where one is written, one rounding each),
-// so every path gives an element the same bits wherever it sits.
+// so every path gives an element the same bits wherever it sits (a NaN stays NaN on all of them).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -19,6 +19,7 @@ constexpr float kExpMin = -87.0f, kExpMax = 88.0f;
 constexpr float kExpC[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
 
 inline float exp_poly(float x) {
+  if (x != x) return x;  // NaN stays NaN, as the vector forms' max / min pass it on
   const float t = std::min(kExpMax, std::max(kExpMin, x));
   const float n = std::nearbyint(t * kLog2e);
   const float r = std::fma(n, -kLn2Lo, std::fma(n, -kLn2Hi, t));
