@@ -17,6 +17,11 @@ between streamed tokens). Before the load, one greedy prompt is checked to give 
 on both servers (same weights, same greedy decoding).
 
     .venv/bin/python benchmarks/serve_load.py [--clients 1,4,16,64] [--out FILE.md]
+
+`--int8`: the same weights as a real INT8 model with an int8 KV cache, a server of its own.
+`--baseline CHECKOUT`: the fp32 weights also served by another checkout's gptforge (from the HF
+directory, which every tree's loader reads), in the same rounds: e.g. the tree an issue's
+"today's figure" was measured on.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE_SERVER = "gptforge serve, --baseline tree (fp32)"
 INT8_SERVER = "gptforge serve, INT8 weights + int8 KV cache"
 PROMPT_WORDS = [16, 32, 64]  # roughly tokens: the words are common single-token words
 OUTPUTS = [32, 48, 64]
@@ -224,13 +230,21 @@ def run_all(args) -> str:
                                             "warning"], "gpt2-124m-int8", levels))
         if args.skip_one:
             setups = [x for x in setups if "one request at a time" not in x[0]]
+        envs = {}
+        if args.baseline:  # another checkout's fp32 server; it reads the HF directory (any tree's loader does)
+            src = str(Path(args.baseline).resolve() / "src")
+            setups.insert(1, (BASELINE_SERVER, [py, "-m", "gptforge", "serve", "--ckpt", str(hf), "--model-name",
+                                                "gpt2-124m", "--max-batch-size", "64", "--max-queue", "1024",
+                                                "--log-level", "warning"], "gpt2-124m", levels))
+            envs[BASELINE_SERVER] = {**env, "PYTHONPATH": os.pathsep.join(
+                p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
         for rnd in range(args.rounds):  # the servers alternate, round after round
             for name, cmd, model, lv in setups:
                 port = free_port()
                 cmd = [*cmd, "--port", str(port)]
                 print(f"== {name}" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""),
                       file=sys.stderr, flush=True)
-                with server(cmd, port, env, tmp / f"{len(rows)}.log") as url:
+                with server(cmd, port, envs.get(name, env), tmp / f"{len(rows)}.log") as url:
                     checks.setdefault(name, set()).add(greedy_text(url, model))  # every round's, to compare
                     for c in lv:
                         r = asyncio.run(level(url, model, c, per_client(c)))
@@ -259,6 +273,9 @@ def round_goals(get, rnd: int) -> list[str]:
     peer64 = get("transformers serve --continuous-batching", 64, rnd)
     if i64 and g64:
         goals.append(f"64 clients, INT8 + int8 KV vs fp32: {i64['tok_s'] / g64['tok_s']:.2f}x (goal >= 2x)")
+    b64 = get(BASELINE_SERVER, 64, rnd)
+    if i64 and b64:
+        goals.append(f"64 clients, INT8 + int8 KV vs the --baseline tree's fp32: {i64['tok_s'] / b64['tok_s']:.2f}x")
     if i64 and peer64:
         goals.append(f"64 clients, INT8 + int8 KV vs transformers serve: {i64['tok_s'] / peer64['tok_s']:.2f}x "
                      "(goal > 1x)")
@@ -302,6 +319,7 @@ def report(rows, checks, load_before, load_after, args) -> str:
             f"{' '.join(f'{x:.2f}' for x in load_after)}.",
             f"Command: `python benchmarks/serve_load.py --clients {args.clients} --threads {args.threads}"
             f"{' --int8' if args.int8 else ''}{' --skip-one' if args.skip_one else ''}"
+            f"{f' --baseline {args.baseline}' if args.baseline else ''}"
             f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`.",
             f"Greedy check (same prompt, both servers): {'identical text' if same else 'DIFFERENT: ' + repr(checks)}."]
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(goals) + "\n"
@@ -313,6 +331,8 @@ def main() -> None:
     p.add_argument("--int8", action="store_true",
                    help="also serve the same weights as a real INT8 model with an int8 KV cache")
     p.add_argument("--skip-one", action="store_true", help="leave out the one-request-at-a-time server")
+    p.add_argument("--baseline", metavar="CHECKOUT", help="also serve the fp32 weights with another checkout's "
+                   "gptforge (e.g. a worktree of the commit an issue was filed against), in the same rounds")
     p.add_argument("--rounds", type=int, default=1, help="run every server this many times, alternating, "
                    "and report the 64-client ratio's median and range (the host's speed drifts between runs)")
     p.add_argument("--out", help="also write the markdown table to this file")
