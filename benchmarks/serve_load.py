@@ -342,6 +342,9 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds: at least 1, got {args.rounds}")
+    if args.baseline and not (Path(args.baseline) / "src" / "gptforge" / "__init__.py").is_file():
+        # else its server would quietly import this tree's gptforge from PYTHONPATH
+        p.error(f"--baseline {args.baseline}: no src/gptforge there; give a checkout of gptforge")
     text = run_all(args)
     print(text)
     if args.out:
