@@ -185,18 +185,25 @@ inline void lut_block(const Problem& p, int64_t n) {
     for (int64_t j = 0; j < R * p.G * 4; j += 64) _mm_prefetch(sp + j, _MM_HINT_T0);
   }
   const VF iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  // The loops over the accumulators are unrolled (here and after the groups) so that they live in
+  // registers only: rolled, GCC kept them in stack arrays zeroed by `rep stos` every block, and
+  // the kernel took 1.2x as long (39 vs 32 us a 768x2304 call, one Zen 5 thread).
   VF lo_acc[R][M], hi_acc[R][M];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) lo_acc[r][m] = vzero(), hi_acc[r][m] = vzero();
   const uint8_t* wp = p.w + n * rb;  // row 0's next bytes; row r's are rb further each
   const float* xp = p.x;
   for (int64_t gi = 0; gi < p.G; ++gi) {
     VF lut[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       lut[r] = vmul(_mm512_sub_ps(iota, vset1(static_cast<float>(offset(p, n + r, gi)))), vset1(p.scale[(n + r) * p.G + gi]));
     for (int64_t s = 0; s < steps; ++s, xp += 32, wp += 16, pf += R * 16) {
       for (int j = 0; j < R * 16; j += 64)
         if (pf + j < pf_end) _mm_prefetch(pf + j, _MM_HINT_T0);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + r * rb)));
         const VF lo = _mm512_permutexvar_ps(v, lut[r]);
@@ -208,11 +215,12 @@ inline void lut_block(const Problem& p, int64_t n) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out[kMaxRows];
-    for (int m = 0; m < M; ++m) out[m] = vsum(vadd(lo_acc[r][m], hi_acc[r][m]));
-    finish_row(p, n + r, out);
-  }
+  float out[R][kMaxRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) out[r][m] = vsum(vadd(lo_acc[r][m], hi_acc[r][m]));
+  for (int r = 0; r < R; ++r) finish_row(p, n + r, out[r]);
 }
 
 template <int M>
