@@ -9,7 +9,7 @@ differences measured here), `gptforge eval`'s WikiText scoring. For each head wi
 calibration windows of the built-in corpus), each with and without `--clip-search`.
 
 GPTQ's share of RTN's increase moves with the calibration text by as much as the differences
-measured (0.40-0.54 over five texts of 512 windows on one model), so every GPTQ variant also runs
+measured (0.40-0.66 of RTN's over five texts of 512 windows on one model), so every GPTQ variant also runs
 on `--calib-sets` texts in all (`mixed_precision.calibration_files`: the default one, then
 `quantize --calib` runs of Train-split documents from 1/sets, 2/sets, ... of that range on); its row
 is their mean, with the range.
