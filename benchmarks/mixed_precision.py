@@ -222,7 +222,8 @@ def parse_args():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small", help="small: lowbit_quality.py's model "
                     "(the head 40%% of the planned weights); wide: hidden 256, 6 layers (the head 18%%)")
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary learned on the corpus (default 4096)")
-    ap.add_argument("--samples", type=int, default=64, help="calibration windows (analysis and GPTQ)")
+    ap.add_argument("--samples", type=int, default=512, help="calibration windows of --seq tokens (analysis and "
+                    "GPTQ; 64 left GPTQ short of text, results/2026-11-28-mixed-precision-calibration.md)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="where the float model and the fine-tunes train (cpu, cuda); quantize / eval run where the CLI puts them")
     ap.add_argument("--log", action="store_true", help="print the training run's log lines")
