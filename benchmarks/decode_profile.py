@@ -1,9 +1,8 @@
-"""Where one decode step of the GPT-2 124M shape spends its time (issues #30 / #32).
+"""Where one fp32 decode step of the GPT-2 124M shape spends its time (issues #30 / #32).
 
     PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py [--threads 1,2] [--batches 1,8]
     PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --time-only --rounds 5
     PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --int8 --time-only --loops engine --batches 64
-    PYTHONPATH=src .venv/bin/python benchmarks/decode_profile.py --int4 --parts --time-only --loops engine --batches 1
 
 Random weights of the 124M shape (GPT-2's vocabulary, padded to 50304 rows like a trained
 model). Two loops are measured, at every thread count and batch size asked for:
@@ -16,8 +15,7 @@ For each: milliseconds per decode step (median of `--steps` steps after a 128-to
 same step's matrix products alone (every packed block Linear and the head called back to back on
 one row per sequence: the weight-streaming part), the difference (everything else), and, unless
 `--time-only`, a `torch.profiler` table (ops by self CPU time) with the number of ATen ops a step
-dispatches. `--parts` (engine loop, batch 1): the step split into the fused block stack (its one
-native call), the head (`TorchBackend.project`) and the rest (embedding, batch, sampler, output).
+dispatches.
 """
 
 from __future__ import annotations
@@ -138,41 +136,6 @@ def profile(fn, n: int, rows: int) -> None:
                        max_shapes_column_width=60))
 
 
-def parts(backend, loop, n: int) -> str:
-    """Medians over `n` steps of a batch-1 engine step's wall ms: whole, the fused block stack, the
-    head, the rest (timers around the two calls; the Python step has no single block call)."""
-    import gptforge.generate.fused_step as fs
-
-    spent = {"blocks": 0.0, "head": 0.0}
-
-    def timed(key, fn):
-        def call(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - t
-        return call
-
-    op, cached = timed("blocks", fs._op()), fs._op
-    fs._op, backend.project = (lambda: op), timed("head", backend.project)
-    rows = []
-    try:
-        for _ in range(n):
-            spent.update(blocks=0.0, head=0.0)
-            t = time.perf_counter()
-            loop()
-            rows.append((time.perf_counter() - t, spent["blocks"], spent["head"]))
-    finally:
-        fs._op = cached
-        del backend.project  # the instance attribute: the class's method again
-    step, blocks, head = (statistics.median(r[i] for r in rows) * 1e3 for i in range(3))
-    if not blocks:
-        return "  parts: the fused step did not run (GPTFORGE_FUSED_DECODE=off, or the model has no fused plan)"
-    return (f"  parts (medians of {n} steps): step {step:.3f} ms = fused blocks {blocks:.3f} + head {head:.3f} "
-            f"+ rest {step - blocks - head:.3f}")
-
-
 def case(model, kind: str, batch: int, args) -> None:
     from gptforge.generate.backend import TorchBackend
 
@@ -180,15 +143,12 @@ def case(model, kind: str, batch: int, args) -> None:
         total = args.steps * (args.rounds + 2) + 8
         loop = StepLoop(be, total) if kind == "step" else EngineLoop(be, batch, total)
         step, step_cpu = median_ms(loop, args.steps)
-        line = (f"{kind} batch {batch}, {torch.get_num_threads()} threads: wall {step:.2f} ms/step; calling thread's "
-                f"CPU {step_cpu:.2f} ms/step")
-        if not (args.int8 or args.int4):  # the real INT8 and weight-only models have no packed fp32 Linears
-            mm, mm_cpu = median_ms(matmul_only(model, be, batch), args.steps)
-            line += (f" (matmuls alone: wall {mm:.2f}, CPU {mm_cpu:.2f}; other CPU {step_cpu - mm_cpu:.2f} = "
-                     f"{(step_cpu - mm_cpu) / step_cpu:.0%})")
-        print(f"{line}; load {os.getloadavg()[0]:.2f}", flush=True)
-        if args.parts and kind == "engine" and batch == 1:
-            print(parts(be, loop, args.steps), flush=True)
+        # the real INT8 model has no packed fp32 Linears to time alone
+        mm, mm_cpu = (0.0, 0.0) if args.int8 else median_ms(matmul_only(model, be, batch), args.steps)
+        print(f"{kind} batch {batch}, {torch.get_num_threads()} threads: wall {step:.2f} ms/step (matmuls alone "
+              f"{mm:.2f}); calling thread's CPU {step_cpu:.2f} ms/step (matmuls alone {mm_cpu:.2f}, other "
+              f"{step_cpu - mm_cpu:.2f} = {(step_cpu - mm_cpu) / step_cpu:.0%}); load {os.getloadavg()[0]:.2f}",
+              flush=True)
         if not args.time_only:
             profile(loop, args.profile_steps, args.rows)
 
@@ -265,17 +225,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-first", action="store_true", help="build the other tree first")
     ap.add_argument("--int8", action="store_true", help="the real INT8 model (lowbit_decode.int8_model) with an int8 "
                     "KV cache instead of the fp32 model (not with --compare)")
-    ap.add_argument("--int4", action="store_true", help="the weight-only int4 model (lowbit_decode.weight_only_model: "
-                    "groups of 64, the head int8) instead of the fp32 model (not with --compare or --int8)")
-    ap.add_argument("--parts", action="store_true", help="engine loop at batch 1: also split the step into the "
-                    "fused block stack, the head and the rest")
     args = ap.parse_args(argv)
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}")
     if args.compare:
-        if args.int8 or args.int4:
-            ap.error("--int8 / --int4 run without --compare (one tree per process)")
+        if args.int8:
+            ap.error("--int8 runs without --compare (one tree per process)")
         for t in map(int, args.threads.split(",")):
             torch.set_num_threads(t)
             with torch.inference_mode():
@@ -283,17 +239,11 @@ def main(argv=None) -> int:
                     compare(args)
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
         return 0
-    if args.int8 and args.int4:
-        ap.error("--int8 and --int4: choose one model")
     model = build()
     if args.int8:
         from lowbit_decode import int8_model
 
         model = int8_model(model, 50257)
-    elif args.int4:
-        from lowbit_decode import weight_only_model
-
-        model = weight_only_model(model, 4)
     cases = [(k, b) for k in args.loops.split(",") for b in ([1] if k == "step" else map(int, args.batches.split(",")))]
     for _ in range(args.rounds):
         for t in map(int, args.threads.split(",")):

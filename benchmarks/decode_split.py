@@ -1,11 +1,14 @@
 """Where the batch-1 engine step's time goes outside the kernels (issue #32), fused step on and off.
 
     PYTHONPATH=src .venv/bin/python benchmarks/decode_split.py --weights wo-int8 fp32 --steps 40
+    PYTHONPATH=src .venv/bin/python benchmarks/decode_split.py --weights wo-int4 int8 --threads 2
 
-GPT-2 124M shape, random weights (`lowbit_decode.build`), prompt 32 random tokens, greedy, one
-thread, one sequence: the offline engine's step (`EngineCore.step`, what `generate` runs). Every
-phase is timed by the calling thread's CPU time (`time.thread_time`, not counting the time other
-processes hold the core) through wrappers around the engine's own methods:
+GPT-2 124M shape, random weights (`lowbit_decode.build`; `int8`: its real INT8 model), prompt 32
+random tokens, greedy, one sequence, `--threads` (default one): the offline engine's step
+(`EngineCore.step`, what `generate` runs). Every phase is timed by the calling thread's CPU time
+(`time.thread_time`, not counting the time other processes hold the core; with more threads it
+also counts the calling thread's waits for the others, which spin) through wrappers around the
+engine's own methods:
 
 - schedule: `EngineCore.schedule` (drop cancelled, admit, plan);
 - batch: building the `RaggedBatch` (token/position tensors, native-attention rows);
@@ -38,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import EngineLoop  # noqa: E402 - the engine's decode step
 from int8_speed import cpu_name  # noqa: E402 - the shared CPU line
-from lowbit_decode import build, weight_only_model  # noqa: E402 - the shared models
+from lowbit_decode import build, int8_model, weight_only_model  # noqa: E402 - the shared models
 
 PHASES = ("schedule", "batch", "forward", "head", "sampler", "output", "engine glue", "step")
 
@@ -124,13 +127,16 @@ def op_split(loop: EngineLoop, steps: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weights", nargs="+", default=["wo-int8"], choices=["fp32", "wo-int8", "wo-int4"])
+    ap.add_argument("--weights", nargs="+", default=["wo-int8"], choices=["fp32", "wo-int8", "wo-int4", "int8"])
     ap.add_argument("--kernel", default="native", choices=["native", "native-q8a"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of fused on / off (medians)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the kernels share them)")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads: at least 1, got {args.threads}")
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ["GPTFORGE_WEIGHT_KERNEL"] = args.kernel
     from gptforge.generate.backend import TorchBackend
     from gptforge.generate.fused_step import FUSED_ENV
@@ -140,7 +146,8 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 50257, (32,), generator=g).tolist()
     for w in args.weights:
-        m = model if w == "fp32" else weight_only_model(model, 8 if w == "wo-int8" else 4)
+        m = (model if w == "fp32" else int8_model(model, 50257) if w == "int8"
+             else weight_only_model(model, 8 if w == "wo-int8" else 4))
         rows: dict[str, list[dict]] = {"python": [], "fused": []}
         ops: dict[str, dict] = {}
         with TorchBackend(m) as be, torch.inference_mode():
@@ -154,8 +161,8 @@ def main(argv=None) -> int:
                     else:
                         rows[mode].append(split(loop, args.steps))
         os.environ.pop(FUSED_ENV, None)
-        kern = "" if w == "fp32" else f" {args.kernel}"
-        print(f"\n### {w}{kern}: engine step, batch 1, 1 thread, thread CPU ms per step (mean of {args.steps} steps, "
+        kern = "" if w in ("fp32", "int8") else f" {args.kernel}"
+        print(f"\n### {w}{kern}: engine step, batch 1, {args.threads} thread(s), thread CPU ms per step (mean of {args.steps} steps, "
               f"median of {args.rounds} interleaved rounds); load average {os.getloadavg()}\n")
         print("| phase | Python step | fused step |")
         print("|---|---:|---:|")
